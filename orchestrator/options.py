@@ -1,0 +1,65 @@
+"""Click options shared by several commands, defined once so they read the same everywhere."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from .spec import LoadedJob, load_job
+
+
+def job_options(func):
+    """``JOB`` plus ``--set`` and ``--runtime``: every command that takes a job has these."""
+    func = click.option(
+        "--runtime",
+        type=click.Choice(["docker", "process"]),
+        default=None,
+        help="Override the job's runtime.",
+    )(func)
+    func = click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override a spec key (dotted path, YAML-typed value). Repeatable.",
+    )(func)
+    return click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))(func)
+
+
+def hosts_options(func):
+    """``--hosts`` and DeepSpeed's resource filters."""
+    func = click.option("--num-gpus", type=int, default=None, help="Use the first N GPUs of each node.")(func)
+    func = click.option("--num-nodes", type=int, default=None, help="Use the first N nodes of the hostfile.")(func)
+    filter_metavar = "NAME[:SLOT[,SLOT]]@..."
+    func = click.option("--exclude", default="", metavar=filter_metavar, help="Hosts/GPUs to leave out.")(func)
+    func = click.option("--include", default="", metavar=filter_metavar, help="Only these hosts/GPUs.")(func)
+    return click.option(
+        "--hosts",
+        "hostfile",
+        required=True,
+        type=click.Path(dir_okay=False),
+        help="DeepSpeed-format hostfile: 'HOST slots=N' per line.",
+    )(func)
+
+
+def ssh_options(func):
+    func = click.option(
+        "--trust-new-hosts",
+        is_flag=True,
+        help="Record the keys of hosts not yet in known_hosts (a changed key is still refused).",
+    )(func)
+    return click.option(
+        "--ssh-config",
+        type=click.Path(dir_okay=False),
+        default=lambda: os.environ.get("DZCTL_SSH_CONFIG"),
+        help="OpenSSH client config (env DZCTL_SSH_CONFIG; default ~/.ssh/config).",
+    )(func)
+
+
+def json_option(func):
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")(func)
+
+
+def load_job_from_options(job_file: str, overrides: tuple[str, ...], runtime: str | None) -> LoadedJob:
+    return load_job(job_file, overrides, runtime)

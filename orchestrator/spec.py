@@ -1,0 +1,328 @@
+"""The job spec (schema v1): pydantic models, loading, ``--set`` overrides.
+
+Every key is validated at load time; an error names the file, the line and the
+key path, and suggests the closest known key for a typo. Later issues extend
+the schema with new keys; existing keys are never renamed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import SpecError
+from .yamlsource import KeyPath, LineMap, load_yaml_with_lines
+
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Docker container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]; job names become part of them.
+JOB_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+
+
+class _Strict(BaseModel):
+    # extra="forbid": an unknown key is an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    name_or_path: str = Field(min_length=1)
+    init: Literal["pretrained", "random"] = "pretrained"
+    # Hugging Face config values: the whole architecture for a random-init model
+    # (with ``model_type``), or overrides of the named model's config.
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+
+
+class DataSpec(_Strict):
+    path: str = Field(min_length=1)
+    format: Literal["alpaca", "messages"] = "alpaca"
+    on_error: Literal["fail", "skip"] = "fail"
+
+
+class TrainSpec(_Strict):
+    max_seq_len: int = Field(2048, ge=8)
+    micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"  # noqa: UP007
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int = Field(-1, ge=-1)  # -1: run ``epochs`` over the data
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    precision: Literal["bf16", "fp16", "fp32", "auto"] = "auto"
+    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    save_steps: int = Field(500, ge=1)
+    save_total_limit: int | None = Field(2, ge=1)
+    logging_steps: int = Field(1, ge=1)
+    # None: ``<launch.remote_dir>/output/<name>`` on every node, stable across
+    # relaunches so ``resume: auto`` finds the checkpoints.
+    output_dir: str | None = None
+    resume: str = Field("auto", min_length=1)  # auto | never | PATH
+    seed: int = 42
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _no_strings_for_bools(cls, value: Any) -> Any:
+        # pydantic would take "yes"/"1" as True; a spec should say true/false/auto.
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("must be true, false or auto")
+        return value
+
+
+class ZeroSpec(_Strict):
+    stage: Literal[3] = 3
+    offload: Literal["none", "optimizer", "all", "auto"] = "auto"
+    config: str | None = None  # path to a user ds_config.json (may hold "auto")
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class LaunchSpec(_Strict):
+    master_addr: str = Field("auto", min_length=1)
+    master_port: int = Field(29500, ge=1024, le=65535)
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    env: dict[str, str] = Field(default_factory=dict)
+    env_file: str | None = None
+    mounts: list[str] = Field(default_factory=list)
+    # /var/tmp survives reboots (FHS) and is writable by any user. ``{host}`` is
+    # replaced by the node's host name, for nodes that share one filesystem.
+    remote_dir: str = "/var/tmp/dzctl"
+    python: str = "python3"  # the interpreter for ``runtime: process``
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_are_text(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            # YAML reads `PORT: 80` as an int; the environment only holds text.
+            return {k: _env_text(v) for k, v in value.items()}
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names_and_values(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            if "\n" in text or "\0" in text:
+                raise ValueError(f"{name}: value holds a newline or NUL, which env files cannot carry")
+        return value
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts_are_absolute(cls, value: list[str]) -> list[str]:
+        for mount in value:
+            parse_mount(mount)
+        return value
+
+    @field_validator("remote_dir")
+    @classmethod
+    def _remote_dir_is_absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path on the nodes")
+        return value
+
+
+class JobSpec(_Strict):
+    version: Literal[1] = 1
+    name: str = Field(pattern=JOB_NAME)
+    image: str = Field("dzctl:latest", min_length=1)
+    runtime: Literal["docker", "process"] = "docker"
+    accelerator: Literal["gpu", "cpu"] = "gpu"
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    zero: ZeroSpec = Field(default_factory=ZeroSpec)
+    launch: LaunchSpec = Field(default_factory=LaunchSpec)
+
+
+def _env_text(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def parse_mount(mount: str) -> tuple[str, str, str]:
+    """``HOST:CONTAINER[:ro|rw]`` → (host, container, mode); ValueError if malformed."""
+    parts = mount.split(":")
+    if len(parts) == 2:
+        parts.append("rw")
+    if len(parts) != 3 or parts[2] not in ("ro", "rw"):
+        raise ValueError(f"{mount!r}: expected HOST_PATH:CONTAINER_PATH[:ro|rw]")
+    if not (parts[0].startswith("/") and parts[1].startswith("/")):
+        raise ValueError(f"{mount!r}: both paths must be absolute")
+    return parts[0], parts[1], parts[2]
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    """A validated spec plus where it came from, for located errors later on."""
+
+    spec: JobSpec
+    path: Path
+    lines: LineMap
+    overrides: tuple[str, ...] = ()
+
+    def where(self, dotted: str) -> str:
+        """``file:line`` of a key (or ``--set`` when an override set it)."""
+        for item in self.overrides:
+            if item.split("=", 1)[0] == dotted:
+                return f"--set {item}"
+        return self.lines.where(tuple(dotted.split(".")))
+
+    def resolve_local(self, value: str) -> Path:
+        """A path from the spec, relative to the job file's folder."""
+        candidate = Path(value).expanduser()
+        return candidate if candidate.is_absolute() else self.path.parent / candidate
+
+
+def load_job(
+    path: str | Path,
+    overrides: tuple[str, ...] | list[str] = (),
+    runtime: str | None = None,
+) -> LoadedJob:
+    """Load, override (``--set``, ``--runtime``) and validate a job file."""
+    path = Path(path)
+    data, lines = load_yaml_with_lines(path)
+    if data is None:
+        raise SpecError(f"{path}:1: the job file is empty", fix="see jobs/tiny-cpu.yaml for an example")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: a job file is a mapping of keys (name:, model:, ...), not a {type(data).__name__}")
+    overrides = tuple(overrides)
+    for item in overrides:
+        apply_override(data, item)
+    if runtime is not None:
+        overrides += (f"runtime={runtime}",)
+        data["runtime"] = runtime
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_validation(exc, lines, overrides)) from None
+    return LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``KEY=VALUE`` (dotted key, YAML-typed value) to raw spec data."""
+    if "=" not in item:
+        raise SpecError(f"--set {item}: expected KEY=VALUE, e.g. --set train.max_steps=10")
+    dotted, raw = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise SpecError(f"--set {item}: empty key segment in {dotted!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. "a: b: c"): take the text as it is
+    node: Any = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise SpecError(f"--set {item}: {where} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[str, ...]) -> str:
+    messages = []
+    for error in exc.errors():
+        loc = _clean_loc(error["loc"])
+        dotted = ".".join(str(p) for p in loc)
+        if error["type"] == "extra_forbidden":
+            text = f"{dotted}: unknown key"
+            suggestion = _did_you_mean(loc)
+            known = ", ".join(_known_keys(loc[:-1]))
+            text += f"; did you mean {suggestion}?" if suggestion else f"; known keys: {known}"
+        elif error["type"] == "missing":
+            text = f"{dotted}: required key is missing"
+        else:
+            got = error.get("input")
+            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            text = f"{dotted}: {_short(error['msg'])}{shown}"
+        source = _override_for(dotted, overrides)
+        prefix = f"--set {source}" if source else lines.where(loc)
+        messages.append(f"{prefix}: {text}")
+    # One line per problem, in file order, so each names its own line.
+    return "\n".join(dict.fromkeys(messages))
+
+
+def _override_for(dotted: str, overrides: tuple[str, ...]) -> str | None:
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if dotted == key or dotted.startswith(key + "."):
+            return item
+    return None
+
+
+def _short(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> KeyPath:
+    # pydantic adds union branch names ("int", "literal['auto']") to locations.
+    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "bool", "str", "float"))))
+
+
+def _model_at(path: KeyPath) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = JobSpec
+    for key in path:
+        if model is None or key not in model.model_fields:
+            return None
+        model = _as_model(model.model_fields[key].annotation)
+    return model
+
+
+def _as_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) is not None:
+        for arg in get_args(annotation):
+            found = _as_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _known_keys(parent: KeyPath) -> list[str]:
+    model = _model_at(parent)
+    return list(model.model_fields) if model else []
+
+
+def _did_you_mean(loc: KeyPath) -> str | None:
+    candidates = _known_keys(loc[:-1])
+    match = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def is_secret_name(name: str) -> bool:
+    """Env names whose values must never be printed or put in argv."""
+    return bool(SECRET_NAME.search(name))
+
+
+def read_env_file(path: Path, display: str) -> dict[str, str]:
+    """Parse a ``KEY=VALUE`` env file (docker's format: no quoting, ``#`` comments)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(
+            f"{display}: launch.env_file not found: {path}", fix="create it or remove launch.env_file"
+        ) from None
+    values: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        if not sep or not ENV_NAME.match(name):
+            raise SpecError(f"{path}:{number}: expected NAME=VALUE (NAME of letters, digits, _)")
+        values[name] = value
+    return values

@@ -1,0 +1,50 @@
+"""Shared pytest fixtures. Others append fixtures at the end of this file.
+
+Test hosts (tests/testhosts.py) need root, sshd and (for docker hosts) dockerd.
+Where they are missing, tests that ask for them are skipped with the reason,
+unless DZCTL_REQUIRE_INTEGRATION=1 (set by CI), which turns the skip into a
+failure so CI can never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from testhosts import TestCluster, missing_requirements  # noqa: E402
+
+
+def require_test_hosts(docker: bool = False) -> None:
+    """Skip (or, under CI, fail) when test hosts cannot be built here."""
+    missing = missing_requirements(docker)
+    if not missing:
+        return
+    reason = "test hosts need: " + ", ".join(missing)
+    if os.environ.get("DZCTL_REQUIRE_INTEGRATION") == "1":
+        pytest.fail(reason + " (DZCTL_REQUIRE_INTEGRATION=1)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def cluster(tmp_path_factory):
+    """Factory: ``cluster(n, docker=False)`` starts n test hosts, torn down after the test.
+
+    Each call builds a separate cluster (own bridge, subnet, keys, ssh_config).
+    """
+    started: list[TestCluster] = []
+
+    def make(n: int, docker: bool = False, **kwargs) -> TestCluster:
+        require_test_hosts(docker)
+        built = TestCluster(n, docker=docker, workdir=tmp_path_factory.mktemp("hosts"), **kwargs)
+        started.append(built)
+        built.start()
+        return built
+
+    yield make
+    for built in reversed(started):
+        built.close()

@@ -1,0 +1,90 @@
+"""The test-host machinery itself: real namespaces, sshd and dockerd, torn down after."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _ssh(cluster, host, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cluster.ssh_argv(host, [command]), capture_output=True, text=True, timeout=30)
+
+
+def test_hosts_have_own_hostname_address_and_key(cluster):
+    hosts = cluster(3)
+    seen = set()
+    for host in hosts.hosts:
+        out = _ssh(hosts, host, "hostname; ip -4 -o addr show eth0")
+        assert out.returncode == 0, out.stderr
+        name, addr_line = out.stdout.splitlines()
+        assert name == host.name
+        assert f"inet {host.address}/24" in addr_line
+        seen.add(host.host_key_line)
+    assert len(seen) == 3  # a host key each, so a changed key can be tested per host
+
+
+def test_two_clusters_side_by_side_do_not_collide(cluster):
+    first, second = cluster(2), cluster(2)
+    assert first.network != second.network and not first.network.overlaps(second.network)
+    assert {h.netns for h in first.hosts}.isdisjoint(h.netns for h in second.hosts)
+    # Same alias "node0" in both, but each ssh_config leads to its own host.
+    a = _ssh(first, first.hosts[0], "ip -4 -o addr show eth0").stdout
+    b = _ssh(second, second.hosts[0], "ip -4 -o addr show eth0").stdout
+    assert first.hosts[0].address in a and second.hosts[0].address in b
+
+
+def test_stop_and_start_sshd(cluster):
+    hosts = cluster(1)
+    host = hosts.hosts[0]
+    hosts.stop_sshd(host)
+    assert "Connection refused" in _ssh(hosts, host, "true").stderr
+    hosts.start_sshd(host)
+    assert _ssh(hosts, host, "hostname").stdout.strip() == host.name
+
+
+def test_teardown_removes_namespaces_links_and_processes(tmp_path):
+    from conftest import require_test_hosts
+    from testhosts import TestCluster
+
+    require_test_hosts()
+    with TestCluster(2, workdir=tmp_path) as hosts:
+        pids = [h.sshd_pid for h in hosts.hosts]
+        netns = [h.netns for h in hosts.hosts]
+        bridge = hosts.bridge
+        hosts.run_in(hosts.hosts[0], ["true"])
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in netns)
+    assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_teardown_runs_when_the_body_fails(tmp_path):
+    from conftest import require_test_hosts
+    from testhosts import TestCluster
+
+    require_test_hosts()
+    with pytest.raises(RuntimeError), TestCluster(1, workdir=tmp_path) as hosts:
+        netns = hosts.hosts[0].netns
+        raise RuntimeError("test body failed")
+    assert netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_docker_hosts_answer_from_root_namespace_and_over_ssh(cluster):
+    hosts = cluster(2, docker=True)
+    for host in hosts.hosts:
+        local = subprocess.run(
+            ["docker", "-H", host.docker_host, "info", "--format", "{{.Name}} {{.DockerRootDir}}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert local.returncode == 0, local.stderr
+        assert local.stdout.split() == [host.name, str(host.dir / "docker-data")]
+        remote = _ssh(hosts, host, "docker info --format '{{.Name}}'")
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout.strip() == host.name

@@ -9,14 +9,9 @@ failure so CI can never pass by skipping them.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from testhosts import TestCluster, missing_requirements  # noqa: E402
+from testhosts import TestCluster, missing_requirements
 
 
 def require_test_hosts(docker: bool = False) -> None:

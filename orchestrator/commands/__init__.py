@@ -8,4 +8,5 @@ from __future__ import annotations
 
 COMMAND_MODULES = [
     "orchestrator.commands.launch",
+    "orchestrator.commands.plan",
 ]

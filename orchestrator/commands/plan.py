@@ -1,0 +1,110 @@
+"""``dzctl plan``: predicted GPU and host memory of a job on some nodes, and the configuration auto chooses."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..hostfile import ResourceFilter, load_nodes
+from ..memory import (
+    ALLOCATOR_MARGIN,
+    GIB,
+    HOST_RESERVE_FRACTION,
+    NON_TORCH_GPU_GIB,
+    MemoryPlan,
+    nodes_description,
+    plan_for_job,
+    require_fit,
+)
+from ..modelshape import ModelShape, shape_for_job
+from ..options import hosts_options, job_options, json_option, load_job_from_options
+from ..spec import JobSpec
+
+
+@click.command("plan")
+@job_options
+@hosts_options
+@click.option(
+    "--gpu-mem-gib",
+    type=float,
+    default=None,
+    metavar="N",
+    help="Memory of each GPU in GiB (nvidia-smi memory.total / 1024; H200: 140.4).",
+)
+@click.option(
+    "--host-mem-gib",
+    type=float,
+    default=None,
+    metavar="N",
+    help="RAM of each node in GiB; needed to check offloaded states.",
+)
+@json_option
+def plan_command(
+    job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, gpu_mem_gib, host_mem_gib, as_json
+):
+    """Predict per-GPU and per-node memory and choose micro-batch, checkpointing and offload.
+
+    Exits 2 (after printing the plan) when nothing the job allows fits these nodes.
+    """
+    job = load_job_from_options(job_file, overrides, runtime)
+    nodes = load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
+    shape = shape_for_job(job)
+    slots = [n.num_slots for n in nodes]
+    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, shape=shape)
+    if as_json:
+        out = plan.to_dict(ds_config)
+        out["model"] = shape.to_dict()
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(render(plan, shape, job.spec))
+    require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
+
+
+def _g(value: float) -> str:
+    return f"{value / GIB:8.2f} GiB"
+
+
+def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
+    est = plan.estimate
+    c = est.choice
+    hw = plan.hardware
+    train = spec.train
+
+    def how(value: object) -> str:
+        return "auto" if value == "auto" else "set"
+
+    lines = [
+        f"model {shape.name}: {shape.total_params / 1e9:.2f} B params, largest layer "
+        f"{shape.largest_layer_params / 1e6:.1f} M, vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
+        f"{shape.num_layers} layers, {shape.num_heads} heads / {shape.num_kv_heads} KV",
+        f"  shape from {shape.source}",
+        f"nodes {nodes_description(hw.slots_per_node, hw.gpu_mem_gib, hw.host_mem_gib)}; "
+        f"seq {plan.seq_len}, {plan.precision}",
+        f"{'choice' if plan.fits else 'closest allowed setup'}: micro-batch {c.micro_batch_size} "
+        f"({how(train.micro_batch_size)}), gradient checkpointing "
+        f"{'on' if c.gradient_checkpointing else 'off'} ({how(train.gradient_checkpointing)}), offload {c.offload} "
+        f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
+        f"{plan.train_batch_size}",
+        "",
+        f"per GPU, peak allocated (during {est.peak_phase}):",
+    ]
+    lines += [f"  {name:40s}{_g(value)}" for name, value in est.gpu_terms.items()]
+    lines.append(f"  {'total':40s}{_g(est.gpu_peak)}")
+    have = f" of {hw.gpu_mem_gib} GiB" if hw.gpu_mem_gib is not None else ""
+    lines.append(
+        f"  + {ALLOCATOR_MARGIN:.0%} allocator margin + {NON_TORCH_GPU_GIB} GiB CUDA/NCCL = "
+        f"{est.gpu_required / GIB:.2f} GiB needed{have}"
+    )
+    ranks = max(hw.slots_per_node)
+    lines += ["", f"host RAM per node ({ranks} ranks; {HOST_RESERVE_FRACTION:.0%} of RAM left to the OS):"]
+    lines += [f"  {name:40s}{_g(value * ranks)}" for name, value in est.host_terms_per_rank.items()]
+    lines.append(f"  {'total':40s}{_g(max(plan.host_per_node))}")
+    lines.append("")
+    lines.append("fits" if plan.fits else f"does not fit: {plan.reason}")
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(plan_command)

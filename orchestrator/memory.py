@@ -1,0 +1,652 @@
+"""The memory planner: per-GPU and per-node host memory of a ZeRO-3 job, and the auto choice.
+
+Pure: numbers in, numbers out. ``dzctl plan`` feeds it flags; the launch path feeds
+it preflight's readings. No torch: every term is a formula over the model's shape,
+each constant stated beside it with its reason.
+
+The model (all sizes in bytes; N = parameters, W = GPUs in the job, T = tokens
+per micro-batch = micro_batch_size × seq_len, P = bytes per bf16/fp16/fp32 value):
+
+* Model states, partitioned over all W GPUs by ZeRO-3 (ZeRO paper, §5):
+  parameters P·N/W, gradients P·N/W (DeepSpeed accumulates in the model dtype by
+  default), fp32 master copy 4·N/W (mixed precision only) and Adam m, v 8·N/W.
+  ``offload_optimizer`` moves master, Adam and gradients to host RAM; ``offload_param``
+  moves the parameter partitions too.
+* ZeRO-3 working set: the largest single weight gathered whole (for these models
+  the embedding/LM head, gathered again for the backward), its full gradient before
+  the reduce-scatter, the prefetch bucket and the gradient bucket, and the small
+  parameters kept whole on every GPU (below the persistence threshold: norms, biases).
+* Activations per layer per token, counted from what autograd saves in the HF
+  Llama/Qwen layers with SDPA/flash attention (no seq² term): see
+  ``layer_activation_bytes_per_token``. With gradient checkpointing only each layer's
+  input is kept, plus one layer's activations during its recomputation.
+* Logits at the loss: see ``logits_bytes_per_token``. At seq 4096 and a 152k
+  vocabulary this is the largest activation term by far.
+* Peak = states + max(forward/backward transient, optimizer-step transient).
+
+Pinned against measurements on 2×H200 (DESIGN §5; tests/test_memory.py); the
+fit test then adds a stated allocator margin and the memory CUDA itself takes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from .dsconfig import Resolved, job_ds_config, load_user_config, merge, offload_of, resolve_precision
+from .errors import InputError
+from .modelshape import ModelShape, shape_for_job
+from .spec import LoadedJob
+
+GIB = 1024**3
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Offload = Literal["none", "optimizer", "all"]
+
+# --- stated constants -------------------------------------------------------------
+
+# PyTorch's caching allocator holds more than it hands out (fragmentation from the
+# changing tensor sizes of the loss and the gathers). In the measured runs that fit,
+# reserved exceeded peak allocated by 5–20 % (DESIGN §5: 115.4 vs 95.8 GiB at
+# micro-batch 4); require that much headroom on top of the predicted peak.
+ALLOCATOR_MARGIN = 0.20
+# GPU memory outside PyTorch's allocator, so never in max_memory_allocated: the CUDA
+# context and module images (~0.5 GiB on Hopper with lazy loading), cuBLAS/cuBLASLt
+# workspaces and NCCL's communicator buffers. A stated allowance, not a measurement.
+NON_TORCH_GPU_GIB = 2.0
+# Host RAM of one rank besides offloaded states: CPython, torch and CUDA host
+# allocations, NCCL, DeepSpeed (its CPU Adam op), and the checkpoint shard being
+# loaded (HF shards are ≤ 5 GB, read through mmap). A stated allowance.
+RANK_HOST_GIB = 4.0
+# Share of a node's RAM left to the OS, page cache, dockerd and the data loader.
+HOST_RESERVE_FRACTION = 0.10
+# DeepSpeed's default ZeRO-3 sub_group_size (elements): the optimizer steps one
+# sub-group at a time, and offloaded fp32 gradients are pinned per sub-group.
+SUB_GROUP_SIZE = 1_000_000_000
+# Candidate micro-batches when ``train.micro_batch_size: auto``. Powers of two:
+# one step of the micro-batch moves the estimate by more than its own error (±10 %).
+AUTO_MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# Expected-throughput model used only to rank candidates that fit (never to predict
+# tokens/s): time per token ∝ k + C / T, with k = 4/3 under gradient checkpointing
+# (the forward is run twice: 4 passes of work instead of 3) and C the fixed cost of
+# each micro-step, mostly ZeRO-3's two all-gathers and one reduce-scatter of all
+# parameters, which do not grow with the micro-batch. From DESIGN §5 (checkpointing
+# on: 5,806 tokens/s at micro 2, 6,511 at micro 4, seq 4096):
+# (4/3 + C/8192) / (4/3 + C/16384) = 6511/5806 gives C ≈ 3,000 tokens.
+MICRO_STEP_COST_TOKENS = 3000.0
+RECOMPUTE_FACTOR = 4.0 / 3.0
+# nodes tried when looking for the smallest number that would fit
+MAX_NODES_SEARCHED = 512
+
+OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "optimizer", "all")  # fastest first
+
+
+def bytes_per_value(precision: Precision) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def pinned_bytes(size: int) -> int:
+    """Host RAM taken by one pinned tensor of ``size`` bytes.
+
+    ``Tensor.pin_memory()`` goes through PyTorch's CachingHostAllocator, which rounds
+    every block up to the next power of two (pytorch/pytorch#95823; measured again on
+    torch 2.11 in vllm-project/vllm#53042: a 2.08 GiB request takes 4 GiB). DeepSpeed
+    pins its offload buffers that way.
+    """
+    return 0 if size <= 0 else 1 << (size - 1).bit_length()
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, act: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer without checkpointing.
+
+    ``act`` = bytes of the activation dtype. Counted from the HF layers:
+    * each RMSNorm keeps its fp32 upcast input (4 B) and its normalised output (act):
+      two per layer over ``hidden``, and in Qwen3 two more over q and k (q_norm, k_norm);
+    * SDPA/flash attention keeps q, k, v after RoPE (GQA: k, v are kv_dim wide), its
+      output, and an fp32 log-sum-exp per head;
+    * o_proj keeps its input, a contiguous copy of the attention output;
+    * the SwiGLU MLP keeps gate, SiLU(gate), up and their product (intermediate wide);
+    * residual adds and biases keep nothing.
+    """
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    norm = 4 + act if act < 4 else 8  # fp32 copy + output; in fp32 the upcast is the input itself
+    total = 2 * norm * h
+    if shape.qk_norm:
+        total += norm * (q + kv)
+    total += act * (q + 2 * kv)  # q, k, v saved by attention
+    total += act * q + 4 * shape.num_heads  # attention output + log-sum-exp
+    total += act * q  # o_proj input
+    total += 4 * act * i  # gate, silu(gate), up, product
+    return total
+
+
+def logits_bytes_per_token(shape: ModelShape, act: int) -> int:
+    """Bytes per token live at the loss's backward, when the logits cost most.
+
+    The logits in the activation dtype (held as the model's output), the fp32
+    log-softmax that cross-entropy saves (transformers upcasts logits to fp32 for the
+    loss), the fp32 gradient of the logits, and that gradient cast back to the
+    activation dtype for the LM head's backward (no cast in fp32).
+    """
+    v = shape.vocab_size
+    return act * v + 4 * v + 4 * v + (act * v if act < 4 else 0)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """ZeRO-3 communication sizes in elements, from the hidden size (dsconfig.bucket_sizes)."""
+
+    reduce: int
+    prefetch: int
+    persistence: int
+
+    @classmethod
+    def for_hidden(cls, hidden: int) -> Buckets:
+        # The HF integration's rule for "auto" (transformers/integrations/deepspeed.py):
+        # hidden², 0.9·hidden², 10·hidden: about one weight matrix per bucket.
+        return cls(hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)
+
+
+@dataclass(frozen=True)
+class Choice:
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    offload: Offload
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.offload in ("optimizer", "all")
+
+    @property
+    def offload_param(self) -> bool:
+        return self.offload == "all"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted peak per GPU and host RAM per rank, each term shown (bytes)."""
+
+    choice: Choice
+    gpu_terms: dict[str, int]  # every term of the per-GPU peak (allocated by PyTorch)
+    peak_phase: str  # "forward/backward" or "optimizer step"
+    host_terms_per_rank: dict[str, int]
+
+    @property
+    def gpu_peak(self) -> int:
+        return sum(self.gpu_terms.values())
+
+    @property
+    def gpu_required(self) -> float:
+        """Bytes a GPU must have for this to run: peak plus allocator margin plus non-PyTorch memory."""
+        return self.gpu_peak * (1 + ALLOCATOR_MARGIN) + NON_TORCH_GPU_GIB * GIB
+
+    @property
+    def host_per_rank(self) -> int:
+        return sum(self.host_terms_per_rank.values())
+
+
+def estimate(
+    shape: ModelShape,
+    choice: Choice,
+    *,
+    seq_len: int,
+    precision: Precision,
+    world_size: int,
+    buckets: Buckets | None = None,
+) -> Estimate:
+    """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank."""
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    b = buckets or Buckets.for_hidden(shape.hidden_size)
+    p = bytes_per_value(precision)
+    g = p  # DeepSpeed's grad_accum_dtype defaults to the model dtype
+    n = shape.total_params
+    shard = math.ceil(n / world_size)
+    master = 4 if p < 4 else 0  # fp32 master weights exist only in mixed precision
+    adam = 8  # Adam's m and v in fp32
+
+    gpu: dict[str, int] = {}
+    host: dict[str, int] = {}
+    # ZeRO-3 model states
+    if choice.offload_param:
+        host["params (pinned)"] = pinned_bytes(p * shard)
+    else:
+        gpu["params"] = p * shard
+    if choice.offload_optimizer:
+        host["grads (pinned)"] = pinned_bytes(g * shard)
+        host["fp32 master + Adam m,v"] = (master + adam) * shard
+        # CPU Adam steps on fp32 gradients, pinned per sub-group.
+        groups, last = divmod(shard, SUB_GROUP_SIZE)
+        host["fp32 grads (pinned)"] = groups * pinned_bytes(4 * SUB_GROUP_SIZE) + pinned_bytes(4 * last)
+    else:
+        gpu["grads"] = g * shard
+        gpu["fp32 master + Adam m,v"] = (master + adam) * shard
+    host["process"] = int(RANK_HOST_GIB * GIB)
+    gpu["persistent small params"] = p * shape.num_layers * shape.small_params_per_layer
+    # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
+    gpu["gathered largest layer + its grad"] = (p + g) * shape.largest_layer_params
+    gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
+
+    tokens = choice.micro_batch_size * seq_len
+    act = p
+    full_layer = layer_activation_bytes_per_token(shape, act) * tokens
+    final_norm = (4 + act if act < 4 else 8) * shape.hidden_size * tokens
+    logits = logits_bytes_per_token(shape, act) * tokens
+    if choice.gradient_checkpointing:
+        kept = shape.num_layers * act * shape.hidden_size * tokens
+        # During a layer's recomputation its full activations and the incoming gradient
+        # exist, but by then the logits are freed: the larger of the two moments counts.
+        recompute = full_layer + 2 * act * shape.hidden_size * tokens
+        train_terms = {
+            "activations (checkpoints)": kept + final_norm,
+            "logits + loss": max(logits, recompute),
+        }
+    else:
+        train_terms = {
+            "activations (all layers)": shape.num_layers * full_layer + final_norm,
+            "logits + loss": logits,
+        }
+    # Optimizer step: activations are gone; the fp32 gradient of one sub-group is made
+    # and torch's multi-tensor AdamW needs about one more such buffer of temporaries.
+    step = 0 if choice.offload_optimizer else 2 * 4 * min(shard, SUB_GROUP_SIZE)
+    if sum(train_terms.values()) >= step:
+        gpu.update(train_terms)
+        phase = "forward/backward"
+    else:
+        gpu["optimizer step temporaries"] = step
+        phase = "optimizer step"
+    return Estimate(choice=choice, gpu_terms=gpu, peak_phase=phase, host_terms_per_rank=host)
+
+
+# --- the plan ----------------------------------------------------------------------
+
+
+class DoesNotFit(InputError):
+    """No configuration the spec allows fits the given nodes. Exit code 2.
+
+    Bad input rather than a runtime failure: nothing ran and nothing on the hosts
+    failed; the job as written asks more of these nodes than they have, and only a
+    change to the job or the hostfile (more nodes, shorter sequences, offload) helps.
+    """
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the nodes offer: GPUs (slots) per node, memory per GPU and host RAM per node (GiB)."""
+
+    slots_per_node: tuple[int, ...]
+    gpu_mem_gib: float | None  # None: not known (accelerator cpu)
+    host_mem_gib: float | None  # None: not known; offload cannot be checked
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.slots_per_node)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    fits: bool
+    estimate: Estimate
+    precision: Precision
+    seq_len: int
+    world_size: int
+    gradient_accumulation_steps: int
+    buckets: Buckets
+    hardware: Hardware
+    host_per_node: tuple[int, ...]  # bytes, per node in hostfile order
+    reason: str = ""  # why it does not fit (empty when it fits)
+    min_nodes: int | None = None  # nodes like these that would fit, when it does not
+    notes: tuple[str, ...] = field(default=())
+    candidates: tuple[tuple[Choice, bool, str], ...] = field(default=())  # (choice, fits, why not)
+
+    @property
+    def choice(self) -> Choice:
+        return self.estimate.choice
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.choice.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def resolved(self) -> Resolved:
+        """The ``dsconfig.Resolved`` of this plan: what the DeepSpeed config is built from."""
+        return Resolved(
+            micro_batch_size=self.choice.micro_batch_size,
+            gradient_checkpointing=self.choice.gradient_checkpointing,
+            offload_optimizer=self.choice.offload_optimizer,
+            offload_param=self.choice.offload_param,
+            reduce_bucket_size=self.buckets.reduce,
+            prefetch_bucket_size=self.buckets.prefetch,
+            param_persistence_threshold=self.buckets.persistence,
+            precision=self.precision,
+        )
+
+    def to_dict(self, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+        """The ``dzctl plan --json`` object (DESIGN §2)."""
+        est = self.estimate
+        hw = self.hardware
+        return {
+            "fits": self.fits,
+            "per_gpu_gib": _gib(est.gpu_peak),
+            "per_gpu_required_gib": _gib(est.gpu_required),
+            "host_per_node_gib": _gib(max(self.host_per_node)),
+            "breakdown": {
+                "gpu": {k: _gib(v) for k, v in est.gpu_terms.items()},
+                "gpu_peak_phase": est.peak_phase,
+                "allocator_margin_fraction": ALLOCATOR_MARGIN,
+                "non_torch_gpu_gib": NON_TORCH_GPU_GIB,
+                "host_per_rank": {k: _gib(v) for k, v in est.host_terms_per_rank.items()},
+                "host_reserve_fraction": HOST_RESERVE_FRACTION,
+            },
+            "micro_batch_size": self.choice.micro_batch_size,
+            "gradient_checkpointing": self.choice.gradient_checkpointing,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "train_batch_size": self.train_batch_size,
+            "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
+            "precision": self.precision,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+            "gpu_mem_gib": hw.gpu_mem_gib,
+            "host_mem_gib": hw.host_mem_gib,
+            "host_per_node_gib_each": [_gib(x) for x in self.host_per_node],
+            "reason": self.reason or None,
+            "min_nodes": self.min_nodes,
+            "notes": list(self.notes),
+            "ds_config": ds_config,
+        }
+
+
+def _gib(value: float) -> float:
+    return round(value / GIB, 2)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What the spec leaves to the planner: ``None`` = auto."""
+
+    micro_batch_size: int | None = None
+    gradient_checkpointing: bool | None = None
+    offload: Offload | None = None
+
+    def offloads(self, accelerator: str) -> tuple[Offload, ...]:
+        if self.offload is not None:
+            return (self.offload,)
+        # Offloading to host RAM from a CPU rank moves nothing anywhere.
+        return ("none",) if accelerator == "cpu" else OFFLOAD_ORDER
+
+    def checkpointing(self) -> tuple[bool, ...]:
+        return (self.gradient_checkpointing,) if self.gradient_checkpointing is not None else (True, False)
+
+    def micro_batches(self) -> tuple[int, ...]:
+        return (self.micro_batch_size,) if self.micro_batch_size is not None else AUTO_MICRO_BATCHES
+
+    def choices(self, offload: Offload) -> list[Choice]:
+        return [Choice(m, c, offload) for c in self.checkpointing() for m in self.micro_batches()]
+
+
+def expected_cost_per_token(choice: Choice, seq_len: int) -> float:
+    """Relative time per token (lower is faster); ranks candidates of one offload level."""
+    k = RECOMPUTE_FACTOR if choice.gradient_checkpointing else 1.0
+    return k + MICRO_STEP_COST_TOKENS / (choice.micro_batch_size * seq_len)
+
+
+def plan_memory(
+    shape: ModelShape,
+    *,
+    allowed: Allowed,
+    seq_len: int,
+    precision: Precision,
+    gradient_accumulation_steps: int,
+    hardware: Hardware,
+    accelerator: str = "gpu",
+) -> MemoryPlan:
+    """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
+
+    Order: no offload, then optimizer offload, then full offload (each step costs
+    far more throughput than any micro-batch or checkpointing choice: 27× measured for
+    full offload, DESIGN §5); within one offload level the candidate with the lowest
+    ``expected_cost_per_token``, i.e. the largest micro-batch that fits, with
+    checkpointing off only where that wins. The user's gradient_accumulation_steps is
+    kept as written, so train_batch_size = micro × accumulation × world.
+    """
+    buckets = Buckets.for_hidden(shape.hidden_size)
+    tried: list[tuple[Choice, bool, str]] = []
+    best: tuple[float, Estimate] | None = None
+    for offload in allowed.offloads(accelerator):
+        for choice in allowed.choices(offload):
+            est = estimate(shape, choice, seq_len=seq_len, precision=precision, world_size=hardware.world_size)
+            ok, why = _fits(est, hardware, accelerator)
+            tried.append((choice, ok, why))
+            if ok:
+                cost = expected_cost_per_token(choice, seq_len)
+                if best is None or cost < best[0]:
+                    best = (cost, est)
+        if best is not None:
+            break
+    common = dict(
+        precision=precision,
+        seq_len=seq_len,
+        world_size=hardware.world_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        buckets=buckets,
+        hardware=hardware,
+        candidates=tuple(tried),
+        notes=_notes(hardware, accelerator),
+    )
+    if best is not None:
+        est = best[1]
+        return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware), **common)
+    # Nothing fits: report the least demanding candidate, and how many such nodes would do.
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator)
+    reason = _fits(least, hardware, accelerator)[1]
+    return MemoryPlan(
+        fits=False,
+        estimate=least,
+        host_per_node=_host_per_node(least, hardware),
+        reason=reason,
+        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator),
+        **common,
+    )
+
+
+def _host_per_node(est: Estimate, hardware: Hardware) -> tuple[int, ...]:
+    return tuple(slots * est.host_per_rank for slots in hardware.slots_per_node)
+
+
+def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, str]:
+    if accelerator == "cpu":
+        # CPU ranks keep everything in host RAM: the "GPU" terms live there too.
+        if hardware.host_mem_gib is None:
+            return True, ""
+        need = max(hardware.slots_per_node) * (est.gpu_peak + est.host_per_rank)
+        have = hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)
+        return (need <= have, "" if need <= have else f"host RAM: needs {_gib(need)} GiB per node, has {_gib(have)}")
+    reasons = []
+    if hardware.gpu_mem_gib is not None and est.gpu_required > hardware.gpu_mem_gib * GIB:
+        reasons.append(
+            f"GPU: needs {_gib(est.gpu_required)} GiB per GPU (peak {_gib(est.gpu_peak)} GiB "
+            f"+ {ALLOCATOR_MARGIN:.0%} allocator margin + {NON_TORCH_GPU_GIB} GiB CUDA/NCCL), "
+            f"has {hardware.gpu_mem_gib} GiB"
+        )
+    if hardware.host_mem_gib is not None:
+        need = max(hardware.slots_per_node) * est.host_per_rank
+        have = hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)
+        if need > have:
+            reasons.append(
+                f"host RAM: needs {_gib(need)} GiB per node ({max(hardware.slots_per_node)} ranks × "
+                f"{_gib(est.host_per_rank)} GiB), has {_gib(have)} GiB usable of {hardware.host_mem_gib} "
+                f"({HOST_RESERVE_FRACTION:.0%} left to the OS)"
+            )
+    return not reasons, "; ".join(reasons)
+
+
+def _least_demanding(
+    shape: ModelShape, allowed: Allowed, seq_len: int, precision: Precision, hardware: Hardware, accelerator: str
+) -> Estimate:
+    """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
+
+    def overshoot(est: Estimate) -> float:
+        over = 0.0
+        if hardware.gpu_mem_gib is not None and accelerator != "cpu":
+            over = max(over, est.gpu_required / (hardware.gpu_mem_gib * GIB))
+        if hardware.host_mem_gib is not None:
+            per_node = max(hardware.slots_per_node) * (
+                est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0)
+            )
+            over = max(over, per_node / (hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)))
+        return over
+
+    options = [
+        estimate(shape, choice, seq_len=seq_len, precision=precision, world_size=hardware.world_size)
+        for offload in allowed.offloads(accelerator)
+        for choice in allowed.choices(offload)
+    ]
+    return min(options, key=overshoot)
+
+
+def smallest_fitting_nodes(
+    shape: ModelShape, allowed: Allowed, seq_len: int, precision: Precision, hardware: Hardware, accelerator: str
+) -> int | None:
+    """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
+
+    ``None`` when no number of nodes helps: what does not shrink with more GPUs
+    (activations, logits, the gathered layer) is already too large.
+    """
+    per_node = min(hardware.slots_per_node)
+    for count in range(len(hardware.slots_per_node) + 1, MAX_NODES_SEARCHED + 1):
+        bigger = replace(hardware, slots_per_node=(per_node,) * count)
+        for offload in allowed.offloads(accelerator):
+            for choice in allowed.choices(offload):
+                est = estimate(shape, choice, seq_len=seq_len, precision=precision, world_size=bigger.world_size)
+                if _fits(est, bigger, accelerator)[0]:
+                    return count
+    return None
+
+
+def _notes(hardware: Hardware, accelerator: str) -> tuple[str, ...]:
+    notes = []
+    if hardware.host_mem_gib is None:
+        notes.append("host RAM not known: offloaded states were not checked against it (give --host-mem-gib)")
+    if accelerator != "cpu" and hardware.gpu_mem_gib is None:
+        notes.append("GPU memory not known: nothing was checked against it (give --gpu-mem-gib)")
+    return tuple(notes)
+
+
+def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
+    """The message of a ``DoesNotFit``: what the job needs, what the nodes have, what would do."""
+    est = plan.estimate
+    c = est.choice
+    ranks = max(plan.hardware.slots_per_node)
+    lines = [
+        f"the job does not fit on {nodes_desc}: {plan.reason}",
+        f"least demanding allowed setup: micro-batch {c.micro_batch_size}, gradient checkpointing "
+        f"{'on' if c.gradient_checkpointing else 'off'}, offload {c.offload}, seq {plan.seq_len}, {plan.precision}: "
+        f"{_gib(est.gpu_required)} GiB per GPU (peak {_gib(est.gpu_peak)} + margins), "
+        f"{_gib(ranks * est.host_per_rank)} GiB host RAM per node",
+    ]
+    if plan.min_nodes is not None:
+        per = min(plan.hardware.slots_per_node)
+        lines.append(f"smallest number of such nodes ({per} GPUs each) that would fit: {plan.min_nodes}")
+    else:
+        lines.append(
+            f"no number of such nodes (up to {MAX_NODES_SEARCHED}) fits: activations, logits and the gathered "
+            "layer do not shrink with more GPUs"
+        )
+    return "\n".join(lines)
+
+
+def fit_fix(plan: MemoryPlan) -> str:
+    short = "host RAM" if "host RAM" in plan.reason else "GPU memory"
+    if plan.min_nodes is not None:
+        return f"use {plan.min_nodes} such nodes, or nodes with more {short}; or shorten train.max_seq_len"
+    return (
+        "lower train.max_seq_len, allow gradient checkpointing (train.gradient_checkpointing: auto), "
+        "or use GPUs with more memory"
+    )
+
+
+def require_fit(plan: MemoryPlan, nodes_desc: str) -> None:
+    """Raise ``DoesNotFit`` unless the plan fits: the launch path calls this before touching hosts."""
+    if not plan.fits:
+        raise DoesNotFit(describe_fit_failure(plan, nodes_desc), fix=fit_fix(plan))
+
+
+def nodes_description(slots_per_node: Sequence[int], gpu_mem_gib: float | None, host_mem_gib: float | None) -> str:
+    count = len(slots_per_node)
+    gpus = "/".join(str(s) for s in sorted(set(slots_per_node)))
+    parts = [f"{count} node(s) × {gpus} GPU(s)"]
+    if gpu_mem_gib is not None:
+        parts.append(f"{gpu_mem_gib} GiB per GPU")
+    if host_mem_gib is not None:
+        parts.append(f"{host_mem_gib} GiB host RAM per node")
+    return ", ".join(parts)
+
+
+# --- from a job ------------------------------------------------------------------
+
+
+def allowed_from_job(job: LoadedJob) -> Allowed:
+    """What the spec, a user ``zero.config`` and ``zero.overrides`` leave to the planner."""
+    train = job.spec.train
+    micro = None if train.micro_batch_size == "auto" else int(train.micro_batch_size)
+    ckpt = None if train.gradient_checkpointing == "auto" else bool(train.gradient_checkpointing)
+    offload: Offload | None = None if job.spec.zero.offload == "auto" else job.spec.zero.offload
+    user = load_user_config(job)
+    fixed = merge(user or {}, job.spec.zero.overrides)
+    zero = fixed.get("zero_optimization")
+    # A hand-written config (or override) that says where states live decides offload:
+    # the planner must estimate what DeepSpeed will actually do.
+    if user is not None or (isinstance(zero, dict) and ({"offload_optimizer", "offload_param"} & set(zero))):
+        opt, par = offload_of(fixed)
+        offload = "all" if par else "optimizer" if opt else "none"
+    user_micro = fixed.get("train_micro_batch_size_per_gpu")
+    if isinstance(user_micro, int) and not isinstance(user_micro, bool):
+        micro = user_micro
+    return Allowed(micro_batch_size=micro, gradient_checkpointing=ckpt, offload=offload)
+
+
+def precision_for_job(job: LoadedJob) -> Precision:
+    """The precision DeepSpeed will run: a user config's explicit bf16/fp16 wins, else the spec's."""
+    fixed = merge(load_user_config(job) or {}, job.spec.zero.overrides)
+    for name in ("bf16", "fp16"):
+        section = fixed.get(name)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return name  # type: ignore[return-value]
+    return resolve_precision(job.spec)
+
+
+def plan_for_job(
+    job: LoadedJob,
+    slots_per_node: Sequence[int],
+    *,
+    gpu_mem_gib: float | None,
+    host_mem_gib: float | None,
+    shape: ModelShape | None = None,
+) -> tuple[MemoryPlan, dict[str, Any] | None]:
+    """The memory plan of a job on nodes with these slots, and its DeepSpeed config (``None`` if it does not fit).
+
+    ``dzctl plan`` passes the flags; the launch path passes preflight's readings
+    (smallest GPU memory and host RAM found) and then calls ``require_fit``.
+    """
+    spec = job.spec
+    if spec.accelerator == "gpu" and gpu_mem_gib is None:
+        raise InputError(
+            "the memory planner needs each GPU's memory",
+            fix="give --gpu-mem-gib N (e.g. 140 for H200, 80 for H100/A100-80GB, 40 for A100-40GB)",
+        )
+    for flag, value in (("--gpu-mem-gib", gpu_mem_gib), ("--host-mem-gib", host_mem_gib)):
+        if value is not None and not value > 0:
+            raise InputError(f"{flag} {value}: must be a positive number of GiB")
+    hardware = Hardware(tuple(slots_per_node), gpu_mem_gib if spec.accelerator == "gpu" else None, host_mem_gib)
+    plan = plan_memory(
+        shape or shape_for_job(job),
+        allowed=allowed_from_job(job),
+        seq_len=spec.train.max_seq_len,
+        precision=precision_for_job(job),
+        gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
+        hardware=hardware,
+        accelerator=spec.accelerator,
+    )
+    ds_config = job_ds_config(job, plan.resolved(), plan.world_size) if plan.fits else None
+    return plan, ds_config

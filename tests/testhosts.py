@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import ipaddress
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -45,6 +46,9 @@ LOCK_PATH = RUN_ROOT / "alloc.lock"
 # Candidate subnets: 10.213.X.0/24 with X chosen at random, skipped when any
 # route or address here overlaps it.
 SUBNET_BASE = ipaddress.ip_network("10.213.0.0/16")
+
+# Interactive-shell setup of this machine that SSH sessions on test hosts do not see.
+HIDDEN_DOTFILES = (".bashrc",)
 
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "ssh-keygen")
 
@@ -279,17 +283,28 @@ class TestCluster:
         self._log_files.append(log)
         # nsenter and unshare exec (they do not fork here), and sh execs sshd,
         # so the pid we get is sshd's own. -D keeps it in the foreground.
+        # A mount namespace (mounts from outside still propagate in) lets the
+        # host hide this dev machine's ~/.bashrc, which bash sources for every
+        # SSH command: a fresh node has none, and here it costs ~0.7 s a command.
+        script = (
+            'hostname "$1" && for f in $3; do [ ! -f "$f" ] || mount --bind /dev/null "$f"; done'
+            ' && exec /usr/sbin/sshd -D -e -f "$2"'
+        )
         argv = [
             "nsenter",
             f"--net={host.netns_path}",
             "unshare",
             "--uts",
+            "--mount",
+            "--propagation",
+            "slave",
             "sh",
             "-c",
-            'hostname "$1" && exec /usr/sbin/sshd -D -e -f "$2"',
+            script,
             "sh",
             host.name,
             str(config),
+            " ".join(str(Path(pwd.getpwnam("root").pw_dir) / name) for name in HIDDEN_DOTFILES),
         ]
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         host.sshd_pid = proc.pid

@@ -165,9 +165,10 @@ def select_nodes(entries: list[HostEntry], flt: ResourceFilter, source: str) -> 
         short = [n for n in nodes if n.num_slots < flt.num_gpus]
         if short:
             node = short[0]
-            why = "after the filters" if filtered else f"slots={node.num_slots} at {source}:{line_of[node.host]}"
+            where = source if filtered else f"{source}:{line_of[node.host]}"
+            why = " after the filters" if filtered else ""
             raise HostfileError(
-                f"--num-gpus {flt.num_gpus}: {node.host} has only {node.num_slots} slot(s) {why}",
+                f"{where}: --num-gpus {flt.num_gpus}: {node.host} has only {node.num_slots} slot(s){why}",
                 fix=f"use --num-gpus {min(n.num_slots for n in nodes)} or fewer",
             )
         nodes = [Node(n.host, n.slots[: flt.num_gpus]) for n in nodes]

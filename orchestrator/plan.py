@@ -133,7 +133,7 @@ def _plan_node(
         name = None
         if spec.accelerator == "gpu":
             # No container to confine the GPUs: CUDA_VISIBLE_DEVICES does it.
-            visible_env = {**visible_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+            visible_env = dict(sorted({**visible_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}.items()))
             shown_env = {**shown_env, "CUDA_VISIBLE_DEVICES": visible_env["CUDA_VISIBLE_DEVICES"]}
         argv = _process_run(spec, rank, job_dir, visible_env, bool(secrets), command)
     return NodePlan(

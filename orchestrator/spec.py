@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from .errors import SpecError
 from .yamlsource import KeyPath, LineMap, load_yaml_with_lines
@@ -82,13 +90,44 @@ class ZeroSpec(_Strict):
     overrides: dict[str, Any] = Field(default_factory=dict)
 
 
+def _env_text(value: Any) -> Any:
+    # YAML reads `PORT: 80` as an int; the environment only holds text.
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def _env_value_fits_env_file(value: str) -> str:
+    if "\n" in value or "\0" in value:
+        raise ValueError("the value holds a newline or NUL, which env files cannot carry")
+    return value
+
+
+def _check_mount(value: str) -> str:
+    parse_mount(value)
+    return value
+
+
+def _check_env_name(name: str) -> str:
+    if not ENV_NAME.match(name):
+        raise ValueError("not a valid variable name: use letters, digits and _, not starting with a digit")
+    return name
+
+
+EnvName = Annotated[str, AfterValidator(_check_env_name)]
+EnvValue = Annotated[str, BeforeValidator(_env_text), AfterValidator(_env_value_fits_env_file)]
+Mount = Annotated[str, AfterValidator(_check_mount)]
+
+
 class LaunchSpec(_Strict):
     master_addr: str = Field("auto", min_length=1)
     master_port: int = Field(29500, ge=1024, le=65535)
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
     env_file: str | None = None
-    mounts: list[str] = Field(default_factory=list)
+    mounts: list[Mount] = Field(default_factory=list)
     # /var/tmp survives reboots (FHS) and is writable by any user. ``{host}`` is
     # replaced by the node's host name, for nodes that share one filesystem.
     remote_dir: str = "/var/tmp/dzctl"
@@ -96,27 +135,12 @@ class LaunchSpec(_Strict):
 
     @field_validator("env", mode="before")
     @classmethod
-    def _env_values_are_text(cls, value: Any) -> Any:
+    def _env_keys_are_text(cls, value: Any) -> Any:
         if isinstance(value, dict):
-            # YAML reads `PORT: 80` as an int; the environment only holds text.
-            return {k: _env_text(v) for k, v in value.items()}
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _env_names_and_values(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not ENV_NAME.match(name):
-                raise ValueError(f"{name!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
-            if "\n" in text or "\0" in text:
-                raise ValueError(f"{name}: value holds a newline or NUL, which env files cannot carry")
-        return value
-
-    @field_validator("mounts")
-    @classmethod
-    def _mounts_are_absolute(cls, value: list[str]) -> list[str]:
-        for mount in value:
-            parse_mount(mount)
+            for key in value:
+                if not isinstance(key, str):
+                    # YAML 1.1 reads unquoted ON/YES/NO/1 as booleans or numbers.
+                    raise ValueError(f"variable name {key!r} was read by YAML as {type(key).__name__}: quote it")
         return value
 
     @field_validator("remote_dir")
@@ -138,14 +162,6 @@ class JobSpec(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec)
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     launch: LaunchSpec = Field(default_factory=LaunchSpec)
-
-
-def _env_text(value: Any) -> Any:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    return value
 
 
 def parse_mount(mount: str) -> tuple[str, str, str]:
@@ -173,7 +189,7 @@ class LoadedJob:
         """``file:line`` of a key (or ``--set`` when an override set it)."""
         for item in self.overrides:
             if item.split("=", 1)[0] == dotted:
-                return f"--set {item}"
+                return f"--set {shown_override(item)}"
         return self.lines.where(tuple(dotted.split(".")))
 
     def resolve_local(self, value: str) -> Path:
@@ -207,14 +223,25 @@ def load_job(
     return LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
 
 
+def shown_override(item: str) -> str:
+    """``--set`` text as it may appear in a message: control characters escaped, so a
+    newline in a value cannot split one error into lines that look like others."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in item)
+
+
 def apply_override(data: dict[str, Any], item: str) -> None:
     """Apply one ``KEY=VALUE`` (dotted key, YAML-typed value) to raw spec data."""
     if "=" not in item:
-        raise SpecError(f"--set {item}: expected KEY=VALUE, e.g. --set train.max_steps=10")
+        raise SpecError(f"--set {shown_override(item)}: expected KEY=VALUE, e.g. --set train.max_steps=10")
     dotted, raw = item.split("=", 1)
     keys = dotted.strip().split(".")
     if not all(keys):
-        raise SpecError(f"--set {item}: empty key segment in {dotted!r}")
+        raise SpecError(f"--set {shown_override(item)}: empty key segment in {dotted!r}")
+    for key in keys:
+        # Plain names only: a space or newline in a key would make it match no spec key
+        # and put it, unescaped, into the messages that name it.
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", key):
+            raise SpecError(f"--set {shown_override(item)}: {key!r} is not a key name (letters, digits, _ and -)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -226,7 +253,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             child = node[key] = {}
         if not isinstance(child, dict):
             where = ".".join(keys[: depth + 1])
-            raise SpecError(f"--set {item}: {where} is a value, not a section")
+            raise SpecError(f"--set {shown_override(item)}: {where} is a value, not a section")
         node = child
     node[keys[-1]] = value
 
@@ -248,7 +275,7 @@ def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[st
             shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
             text = f"{dotted}: {_short(error['msg'])}{shown}"
         source = _override_for(dotted, overrides)
-        prefix = f"--set {source}" if source else lines.where(loc)
+        prefix = f"--set {shown_override(source)}" if source else lines.where(loc)
         messages.append(f"{prefix}: {text}")
     # One line per problem, in file order, so each names its own line.
     return "\n".join(dict.fromkeys(messages))

@@ -98,26 +98,39 @@ def pinned_bytes(size: int) -> int:
     return 0 if size <= 0 else 1 << (size - 1).bit_length()
 
 
+def norm_bytes_per_token(width: int, act: int, *, weighted_output_saved: bool) -> int:
+    """What one HF RMSNorm leaves saved per token over ``width`` values.
+
+    It upcasts to fp32 (kept for the variance's backward; in fp32 that is the input
+    itself), keeps an fp32 1/rms per row, and keeps its normalised output in the
+    activation dtype (for the weight's gradient). When a linear layer reads the
+    weighted output, that linear keeps the weighted output as well.
+    """
+    return (4 + act + (act if weighted_output_saved else 0)) * width + 4
+
+
 def layer_activation_bytes_per_token(shape: ModelShape, act: int) -> int:
     """Bytes autograd keeps per token for one decoder layer without checkpointing.
 
-    ``act`` = bytes of the activation dtype. Counted from the HF layers:
-    * each RMSNorm keeps its fp32 upcast input (4 B) and its normalised output (act):
-      two per layer over ``hidden``, and in Qwen3 two more over q and k (q_norm, k_norm);
-    * SDPA/flash attention keeps q, k, v after RoPE (GQA: k, v are kv_dim wide), its
-      output, and an fp32 log-sum-exp per head;
-    * o_proj keeps its input, a contiguous copy of the attention output;
+    ``act`` = bytes of the activation dtype. Counted from the HF Llama/Qwen layers
+    (and checked against torch's saved-tensor hooks in tests/test_memory.py):
+    * input and post-attention RMSNorm: each feeds linears (see ``norm_bytes_per_token``);
+    * Qwen3's q_norm and k_norm per head: their output goes through RoPE, which keeps
+      only cos/sin (shared by all layers), not its input;
+    * SDPA/flash attention keeps q and k after RoPE and v (GQA: k, v are kv_dim wide),
+      its output, and an fp32 log-sum-exp per head and token; o_proj reads that output
+      as a view (flash layouts are already token-major), so keeps no copy;
     * the SwiGLU MLP keeps gate, SiLU(gate), up and their product (intermediate wide);
     * residual adds and biases keep nothing.
     """
     h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    norm = 4 + act if act < 4 else 8  # fp32 copy + output; in fp32 the upcast is the input itself
-    total = 2 * norm * h
+    total = 2 * norm_bytes_per_token(h, act, weighted_output_saved=True)
     if shape.qk_norm:
-        total += norm * (q + kv)
+        total += norm_bytes_per_token(shape.head_dim, act, weighted_output_saved=False) * (
+            shape.num_heads + shape.num_kv_heads
+        )
     total += act * (q + 2 * kv)  # q, k, v saved by attention
     total += act * q + 4 * shape.num_heads  # attention output + log-sum-exp
-    total += act * q  # o_proj input
     total += 4 * act * i  # gate, silu(gate), up, product
     return total
 
@@ -232,7 +245,7 @@ def estimate(
     tokens = choice.micro_batch_size * seq_len
     act = p
     full_layer = layer_activation_bytes_per_token(shape, act) * tokens
-    final_norm = (4 + act if act < 4 else 8) * shape.hidden_size * tokens
+    final_norm = norm_bytes_per_token(shape.hidden_size, act, weighted_output_saved=True) * tokens
     logits = logits_bytes_per_token(shape, act) * tokens
     if choice.gradient_checkpointing:
         kept = shape.num_layers * act * shape.hidden_size * tokens

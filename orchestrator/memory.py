@@ -309,6 +309,7 @@ class MemoryPlan:
     buckets: Buckets
     hardware: Hardware
     host_per_node: tuple[int, ...]  # bytes, per node in hostfile order
+    accelerator: str = "gpu"  # "cpu": the per-"GPU" terms live in host RAM too
     reason: str = ""  # why it does not fit (empty when it fits)
     min_nodes: int | None = None  # nodes like these that would fit, when it does not
     notes: tuple[str, ...] = field(default=())
@@ -446,25 +447,27 @@ def plan_memory(
         hardware=hardware,
         candidates=tuple(tried),
         notes=_notes(hardware, accelerator),
+        accelerator=accelerator,
     )
     if best is not None:
         est = best[1]
-        return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware), **common)
+        return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware, accelerator), **common)
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
     least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
         estimate=least,
-        host_per_node=_host_per_node(least, hardware),
+        host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
         min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator),
         **common,
     )
 
 
-def _host_per_node(est: Estimate, hardware: Hardware) -> tuple[int, ...]:
-    return tuple(slots * est.host_per_rank for slots in hardware.slots_per_node)
+def _host_per_node(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[int, ...]:
+    per_rank = est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0)
+    return tuple(slots * per_rank for slots in hardware.slots_per_node)
 
 
 def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, str]:
@@ -570,9 +573,11 @@ def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
 
 
 def fit_fix(plan: MemoryPlan) -> str:
-    short = "host RAM" if "host RAM" in plan.reason else "GPU memory"
+    gpu_short = "GPU:" in plan.reason
+    more = "GPU memory" if gpu_short else "host RAM"
     if plan.min_nodes is not None:
-        return f"use {plan.min_nodes} such nodes, or nodes with more {short}; or shorten train.max_seq_len"
+        shorter = "; or shorten train.max_seq_len" if gpu_short else ""
+        return f"use {plan.min_nodes} such nodes, or nodes with more {more}{shorter}"
     return (
         "lower train.max_seq_len, allow gradient checkpointing (train.gradient_checkpointing: auto), "
         "or use GPUs with more memory"

@@ -61,6 +61,10 @@ def plan_command(
     require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
+
+
 def _g(value: float) -> str:
     return f"{value / GIB:8.2f} GiB"
 
@@ -74,9 +78,10 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
     def how(value: object) -> str:
         return "auto" if value == "auto" else "set"
 
+    cpu = plan.accelerator == "cpu"
     lines = [
-        f"model {shape.name}: {shape.total_params / 1e9:.2f} B params, largest layer "
-        f"{shape.largest_layer_params / 1e6:.1f} M, vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
+        f"model {shape.name}: {_count(shape.total_params)} params, largest layer "
+        f"{_count(shape.largest_layer_params)}, vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
         f"{shape.num_layers} layers, {shape.num_heads} heads / {shape.num_kv_heads} KV",
         f"  shape from {shape.source}",
         f"nodes {nodes_description(hw.slots_per_node, hw.gpu_mem_gib, hw.host_mem_gib)}; "
@@ -87,17 +92,20 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
         f"{plan.train_batch_size}",
         "",
-        f"per GPU, peak allocated (during {est.peak_phase}):",
+        f"per {'rank (in host RAM: CPU ranks)' if cpu else 'GPU'}, peak allocated (during {est.peak_phase}):",
     ]
     lines += [f"  {name:40s}{_g(value)}" for name, value in est.gpu_terms.items()]
     lines.append(f"  {'total':40s}{_g(est.gpu_peak)}")
     have = f" of {hw.gpu_mem_gib} GiB" if hw.gpu_mem_gib is not None else ""
-    lines.append(
-        f"  + {ALLOCATOR_MARGIN:.0%} allocator margin + {NON_TORCH_GPU_GIB} GiB CUDA/NCCL = "
-        f"{est.gpu_required / GIB:.2f} GiB needed{have}"
-    )
+    if not cpu:
+        lines.append(
+            f"  + {ALLOCATOR_MARGIN:.0%} allocator margin + {NON_TORCH_GPU_GIB} GiB CUDA/NCCL = "
+            f"{est.gpu_required / GIB:.2f} GiB needed{have}"
+        )
     ranks = max(hw.slots_per_node)
     lines += ["", f"host RAM per node ({ranks} ranks; {HOST_RESERVE_FRACTION:.0%} of RAM left to the OS):"]
+    if cpu:
+        lines.append(f"  {'ranks (the terms above)':40s}{_g(est.gpu_peak * ranks)}")
     lines += [f"  {name:40s}{_g(value * ranks)}" for name, value in est.host_terms_per_rank.items()]
     lines.append(f"  {'total':40s}{_g(max(plan.host_per_node))}")
     lines.append("")

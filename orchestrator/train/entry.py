@@ -1,0 +1,100 @@
+"""``python -m orchestrator.train JOB.yaml [--ds-config PATH] [--output-dir DIR] [--set KEY=VALUE]``.
+
+Run on every rank by the per-node launcher (``torchrun ... -m orchestrator.train
+/job/job.yaml``). The spec is read and the environment prepared before torch is
+imported (DeepSpeed reads ``DS_ACCELERATOR`` at import).
+
+- ``--ds-config``: the DeepSpeed config to use. Default: ``ds_config.json`` beside
+  the job file (where ``dzctl launch`` puts the planner's config), else one
+  generated from the spec by ``orchestrator.dsconfig``.
+- ``--output-dir``: where checkpoints, the final model and ``progress.jsonl`` go.
+  Default: ``train.output_dir``, else ``<launch.remote_dir>/output/<name>`` with
+  ``{host}`` in ``remote_dir`` replaced by this machine's host name
+  (``socket.gethostname()``, which with ``--network host`` is the node's).
+- ``--set KEY=VALUE``: spec overrides, as for dzctl (the controller passes the
+  planner's choices this way, e.g. ``--set train.gradient_checkpointing=true``).
+- ``--no-save``: no checkpoints, no final model (throughput benchmarks only).
+
+Exit codes: 0 done; 2 bad input (spec, data, ds_config, a checkpoint that cannot
+be resumed); 1 anything else. Every failure is also an ``error`` event in
+``progress.jsonl`` (when the output folder is known) with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+from ..errors import DzError
+from ..spec import JobSpec, load_job
+from .progress import ProgressLog
+
+
+def default_output_dir(spec: JobSpec) -> Path:
+    if spec.train.output_dir:
+        return Path(spec.train.output_dir.replace("{host}", socket.gethostname()))
+    remote = spec.launch.remote_dir.replace("{host}", socket.gethostname())
+    return Path(remote) / "output" / spec.name
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.train", description=__doc__.splitlines()[0])
+    parser.add_argument("job", type=Path, help="the job file (job.yaml)")
+    parser.add_argument("--ds-config", type=Path, default=None)
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--no-save", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log: ProgressLog | None = None
+    try:
+        loaded = load_job(args.job, args.overrides)
+        output_dir = args.output_dir or default_output_dir(loaded.spec)
+        log = ProgressLog(output_dir / "progress.jsonl", echo=True)
+        from .environment import cuda_arch_default, early_defaults
+
+        early_defaults(loaded.spec.accelerator)
+        from . import run  # torch, transformers, deepspeed: only now
+
+        cuda_arch_default()
+        run.train(loaded, output_dir=output_dir, ds_config_path=args.ds_config, save=not args.no_save, log=log)
+        return 0
+    except BaseException as exc:  # every failure must leave an error event
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return 0
+        reason = _one_line(exc)
+        if isinstance(exc, DzError):
+            print(f"error: {exc.message}", file=sys.stderr)
+            if exc.fix:
+                print(f"fix: {exc.fix}", file=sys.stderr)
+            code = exc.exit_code
+        else:
+            # A crash inside torch/DeepSpeed: the traceback is the container log's evidence.
+            traceback.print_exc()
+            code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        if log is not None:
+            try:
+                log.write("error", reason=reason, rank=_rank())
+            except OSError as write_error:
+                print(f"error: cannot write {log.path}: {write_error}", file=sys.stderr)
+        return code
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    fix = getattr(exc, "fix", None)
+    reason = f"{type(exc).__name__}: {first}" if not isinstance(exc, DzError) else first
+    return f"{reason} (fix: {fix})" if fix else reason

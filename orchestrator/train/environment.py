@@ -1,0 +1,57 @@
+"""Environment variables the trainer sets before torch and DeepSpeed start, each for a reason.
+
+Only defaults: a value already set (by the image, the job's ``launch.env`` or the
+user) always wins.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import MutableMapping
+
+
+def early_defaults(accelerator: str, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set what must be in place before ``import torch``/``deepspeed``; return what was set."""
+    env = os.environ if env is None else env
+    wanted = {
+        # A rank that hits an NCCL error or timeout aborts instead of hanging the
+        # whole job in a collective forever (the silent hang of the field).
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        # DeepSpeed JIT-builds ops (CPU Adam, the CPU shm collective) into this cache.
+        # The job directory is mounted read-only, and $HOME may not be writable in a
+        # container; a fixed path under the temp dir is both writable and reused by
+        # later runs in the same container or host.
+        "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), "dzctl-torch-extensions"),
+        # Tokenizer worker threads fight the training ranks for cores and warn after fork.
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if accelerator == "cpu":
+        # DeepSpeed picks its accelerator at import; without this it looks for CUDA.
+        wanted["DS_ACCELERATOR"] = "cpu"
+    applied = {}
+    for name, value in wanted.items():
+        if name not in env:
+            env[name] = value
+            applied[name] = value
+    return applied
+
+
+def cuda_arch_default(env: MutableMapping[str, str] | None = None) -> str | None:
+    """Set ``TORCH_CUDA_ARCH_LIST`` to the visible GPUs' compute capabilities (after torch import).
+
+    DeepSpeed's op builder otherwise derives the list from torch's own build list,
+    whose entries such as ``10.0a`` crash it (``invalid literal for int() with base
+    10: '0a'``, seen with torch 2.11 + DeepSpeed 0.19.8), and building only for the
+    GPUs present is also the fastest build.
+    """
+    env = os.environ if env is None else env
+    if "TORCH_CUDA_ARCH_LIST" in env:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    archs = sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
+    env["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+    return env["TORCH_CUDA_ARCH_LIST"]

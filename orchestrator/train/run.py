@@ -1,0 +1,458 @@
+"""The training itself: DeepSpeed config, model, data and the HF Trainer under ZeRO-3.
+
+Order matters under ZeRO-3: the ``TrainingArguments`` (which carry the DeepSpeed
+config and register it globally for transformers) are built *before* the model,
+so ``from_pretrained``/``from_config`` run inside ``deepspeed.zero.Init`` and each
+rank only ever holds its partition of the weights: the host-RAM blow-up of
+loading a 72B model once per rank never happens.
+
+Outputs in ``output_dir``: ``checkpoint-<step>/`` (ZeRO shards, resumable, every
+``train.save_steps`` and at the end), ``model/`` (the consolidated Hugging Face
+model in safetensors, plus the tokenizer, at the end) and ``progress.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers import set_seed as hf_set_seed
+
+from .. import dsconfig
+from ..errors import InputError
+from ..spec import LoadedJob
+from . import checkpoints, data
+from .progress import ProgressLog, finite
+from .tokenizer import load_tokenizer
+
+CONSOLIDATED = "model"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        # torchrun and the deepspeed launcher both set these; a plain `python -m` run is one rank.
+        return cls(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the run needs, resolved before torch touches a model."""
+
+    ds_config: dict[str, Any]
+    ds_config_source: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool
+    precision: str
+    output_dir: Path
+
+
+def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | None, output_dir: Path) -> Settings:
+    """The DeepSpeed config (given, beside the job file, or generated) and what the Trainer must agree with."""
+    spec = loaded.spec
+    on_gpu = torch.cuda.is_available() and spec.accelerator == "gpu"
+    resolved = dsconfig.resolve_defaults(spec, bf16_supported=on_gpu and torch.cuda.is_bf16_supported())
+    beside = loaded.path.parent / "ds_config.json"
+    if ds_config_path is None and beside.is_file():
+        ds_config_path = beside
+    if ds_config_path is not None:
+        try:
+            ds = json.loads(ds_config_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"{ds_config_path}: cannot read the DeepSpeed config: {exc}") from None
+        if not isinstance(ds, dict):
+            raise InputError(f"{ds_config_path}: a DeepSpeed config is a JSON object")
+        ds = dsconfig.fill_auto(ds, resolved, ranks.world_size, spec)
+        source = str(ds_config_path)
+    else:
+        ds = dsconfig.job_ds_config(loaded, resolved, ranks.world_size)
+        source = "generated from the job spec"
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    accumulation = ds.get("gradient_accumulation_steps")
+    micro = micro if isinstance(micro, int) else resolved.micro_batch_size
+    accumulation = accumulation if isinstance(accumulation, int) else spec.train.gradient_accumulation_steps
+    total = ds.get("train_batch_size")
+    if isinstance(total, int) and total != micro * accumulation * ranks.world_size:
+        raise InputError(
+            f"{source}: train_batch_size {total} != micro-batch {micro} x accumulation {accumulation} "
+            f"x {ranks.world_size} ranks",
+            fix='set train_batch_size to "auto" or to the product',
+        )
+    precision = dsconfig.precision_of(ds)
+    if (
+        precision == "bf16"
+        and spec.accelerator == "gpu"
+        and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    ):
+        raise InputError(
+            f"{source}: bf16 asked for, but this GPU has no bf16 (compute capability below 8.0)",
+            fix="set train.precision: fp16 (or auto)",
+        )
+    return Settings(
+        ds_config=ds,
+        ds_config_source=source,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=resolved.gradient_checkpointing,
+        precision=precision,
+        output_dir=output_dir,
+    )
+
+
+def prepare_cpu_distributed() -> None:
+    """Make accelerate see DeepSpeed over gloo on CPU-only ranks.
+
+    accelerate (1.15) only enters DeepSpeed mode when it finds a GPU-like backend;
+    on CPU it leaves ``num_processes`` at 1, and the Trainer then disagrees with
+    DeepSpeed about the batch size. So: start DeepSpeed's process group on gloo,
+    let accelerate read it as multi-CPU, then mark that shared state as DeepSpeed;
+    ``TrainingArguments`` then use this configured state.
+    """
+    import deepspeed
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    state = PartialState(cpu=True, backend="gloo")
+    state.distributed_type = DistributedType.DEEPSPEED
+
+
+def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> TrainingArguments:
+    train = loaded.spec.train
+    on_cpu = loaded.spec.accelerator == "cpu" or not torch.cuda.is_available()
+    if on_cpu:
+        prepare_cpu_distributed()
+    return TrainingArguments(
+        accelerator_config={"use_configured_state": True} if on_cpu else None,
+        output_dir=str(settings.output_dir),
+        per_device_train_batch_size=settings.micro_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        num_train_epochs=train.epochs,
+        max_steps=train.max_steps,
+        learning_rate=train.learning_rate,
+        weight_decay=train.weight_decay,
+        warmup_steps=train.warmup_ratio if train.warmup_ratio > 0 else 0,  # a float below 1: ratio of all steps
+        lr_scheduler_type=train.lr_scheduler,
+        bf16=settings.precision == "bf16",
+        fp16=settings.precision == "fp16",
+        gradient_checkpointing=settings.gradient_checkpointing,
+        # Non-reentrant checkpointing is the one that works with ZeRO-3's parameter hooks.
+        gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
+        save_strategy="steps" if save else "no",
+        save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit,
+        logging_strategy="steps",
+        logging_steps=train.logging_steps,
+        report_to="none",
+        disable_tqdm=True,
+        seed=train.seed,
+        deepspeed=settings.ds_config,
+        # Our examples carry exactly the model's inputs; nothing to strip.
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, examples: list[dict[str, list[int]]]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.examples[index]
+
+
+class SyntheticDataset(torch.utils.data.Dataset):
+    """Random token ids of full length, loss on every token: throughput benchmarks only."""
+
+    def __init__(self, length: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        self.length, self.seq_len, self.vocab_size, self.seed = length, seq_len, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=generator).tolist()
+        return {"input_ids": ids, "labels": ids}
+
+
+class Collator:
+    """Pads a batch to its longest row (rounded up to 8 for tensor cores); pads never count in the loss."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        longest = max(len(r["input_ids"]) for r in rows)
+        width = -(-longest // 8) * 8
+        if all(len(r["input_ids"]) == width for r in rows):
+            # No padding: leave out the attention mask so SDPA can take its causal fast path.
+            return {
+                "input_ids": torch.tensor([r["input_ids"] for r in rows]),
+                "labels": torch.tensor([r["labels"] for r in rows]),
+            }
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), data.IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            ids[i, :n] = torch.tensor(row["input_ids"])
+            labels[i, :n] = torch.tensor(row["labels"])
+            mask[i, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+class DzTrainer(Trainer):
+    """The HF Trainer, counting the tokens each rank processes for ``tokens_per_s``."""
+
+    tokens_seen = 0
+    samples_seen = 0
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        ids = inputs["input_ids"]
+        self.tokens_seen += ids.numel()
+        self.samples_seen += ids.shape[0]
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+class ProgressCallback(TrainerCallback):
+    """Turns Trainer events into ``progress.jsonl`` lines (rank 0) and completes checkpoints (all ranks)."""
+
+    def __init__(self, log: ProgressLog, ranks: Ranks, *, save: bool) -> None:
+        self.log, self.ranks, self.save = log, ranks, save
+        self.trainer: DzTrainer | None = None
+        self.step_times: list[float] = []
+        self.last_end: float | None = None
+        self.tokens_at_last_end = 0
+        self.samples_at_last_end = 0
+        self.last_rate: tuple[float, float] | None = None
+
+    def _common(self, state) -> dict[str, Any]:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        return {
+            "step": state.global_step,
+            "max_steps": state.max_steps,
+            "epoch": finite(state.epoch),
+            "gpu_mem_peak_gib": round(peak, 3) if peak is not None else None,
+        }
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_end = time.perf_counter()
+        if self.ranks.rank == 0:
+            self.log.write("start", **self._common(state), world_size=self.ranks.world_size)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            # Wait for the GPU so each step's time is its own, not the launch queue's.
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        trainer = self.trainer
+        if self.last_end is not None and trainer is not None:
+            elapsed = now - self.last_end
+            self.step_times.append(elapsed)
+            tokens = (trainer.tokens_seen - self.tokens_at_last_end) * self.ranks.world_size
+            samples = (trainer.samples_seen - self.samples_at_last_end) * self.ranks.world_size
+            self.last_rate = (tokens / elapsed, samples / elapsed)
+            self.tokens_at_last_end, self.samples_at_last_end = trainer.tokens_seen, trainer.samples_seen
+        self.last_end = now
+        if self.save and state.global_step >= state.max_steps:
+            # The end always gets a resumable checkpoint, whatever save_steps says.
+            control.should_save = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if self.ranks.rank != 0 or "loss" not in logs:
+            return
+        recent = self.step_times[-10:]
+        step_time = sum(recent) / len(recent) if recent else None
+        eta = (state.max_steps - state.global_step) * step_time if step_time else None
+        tokens_per_s, samples_per_s = self.last_rate or (None, None)
+        self.log.write(
+            "step",
+            **self._common(state),
+            loss=finite(logs.get("loss")),
+            learning_rate=finite(logs.get("learning_rate")),
+            tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None,
+            samples_per_s=round(samples_per_s, 3) if samples_per_s else None,
+            eta_s=round(eta, 1) if eta is not None else None,
+            step_time_s=round(self.step_times[-1], 4) if self.step_times else None,
+        )
+
+    def on_save(self, args, state, control, **kwargs):
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        # Every rank has written its shards and RNG state only once all reach here.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if self.ranks.rank == 0 and path.is_dir():
+            checkpoints.write_marker(path, self.ranks.world_size, state.global_step)
+            self.log.write("checkpoint", **self._common(state), path=str(path))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
+def build_model(loaded: LoadedJob, precision: str, tokenizer_size: int):
+    """Random init from ``model.config`` or the named model's config; else ``from_pretrained``.
+
+    Called after the ``TrainingArguments`` exist, so both paths run under ZeRO-3's
+    ``zero.Init`` (weights partitioned as they are created or loaded).
+    """
+    model_spec = loaded.spec.model
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    overrides = dict(model_spec.config or {})
+    if model_spec.init == "random":
+        model_type = overrides.pop("model_type", None)
+        if model_type is not None:
+            config = AutoConfig.for_model(model_type, **overrides)
+        else:
+            config = AutoConfig.from_pretrained(model_spec.name_or_path, **overrides)
+        config.use_cache = False  # the KV cache is for generation; training only wastes memory on it
+        _check_vocab(config, tokenizer_size, loaded)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config = AutoConfig.from_pretrained(model_spec.name_or_path, **overrides)
+    config.use_cache = False
+    _check_vocab(config, tokenizer_size, loaded)
+    return AutoModelForCausalLM.from_pretrained(model_spec.name_or_path, config=config, dtype=dtype)
+
+
+def _check_vocab(config, tokenizer_size: int, loaded: LoadedJob) -> None:
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and tokenizer_size > vocab:
+        raise InputError(
+            f"{loaded.where('model')}: the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+            f"{vocab}: ids past it would index outside the embedding",
+            fix=f"set model.config.vocab_size to at least {tokenizer_size}",
+        )
+
+
+def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
+    spec = loaded.spec
+    if spec.data.path == data.SYNTHETIC:
+        steps = spec.train.max_steps if spec.train.max_steps > 0 else 100
+        rows = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
+        return SyntheticDataset(rows, spec.train.max_seq_len, vocab_size, spec.train.seed)
+    path = loaded.resolve_local(spec.data.path)
+    report = data.read_conversations(path, spec.data.format, spec.data.on_error)
+    encoded = data.encode_all(report.conversations, tokenizer, spec.train.max_seq_len)
+    if ranks.rank == 0:
+        for line in report.skipped[:20]:
+            print(f"dzctl-train: skipped row: {line}", flush=True)
+        print(
+            f"dzctl-train: data {path}: {len(encoded.examples)} examples, {len(report.skipped)} rows skipped, "
+            f"{encoded.truncated_away} dropped (responses past max_seq_len {spec.train.max_seq_len}), "
+            f"{encoded.untrained_turns} assistant turns left out of the loss",
+            flush=True,
+        )
+    if not encoded.examples:
+        raise data.DataError(f"{path}: no example keeps a response within train.max_seq_len {spec.train.max_seq_len}")
+    return ListDataset(encoded.examples)
+
+
+def expected_shapes(model) -> dict[str, list[int]]:
+    """Full shapes of the model's parameters; under ZeRO-3 the local tensors are empty placeholders."""
+    shapes = {}
+    for name, param in model.named_parameters():
+        shape = getattr(param, "ds_shape", None) or param.shape
+        shapes[name] = list(shape)
+    return shapes
+
+
+def gather_memory_peaks() -> list[list[float]] | None:
+    """Every rank's peak GPU memory (allocated, reserved; GiB), for the end event. A collective: all ranks call it."""
+    if not torch.cuda.is_available():
+        return None
+    mine = [round(torch.cuda.max_memory_allocated() / 2**30, 3), round(torch.cuda.max_memory_reserved() / 2**30, 3)]
+    if not torch.distributed.is_initialized():
+        return [mine]
+    gathered: list[list[float] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    return gathered  # type: ignore[return-value]
+
+
+def train(
+    loaded: LoadedJob, *, output_dir: Path, ds_config_path: Path | None, save: bool, log: ProgressLog
+) -> Path | None:
+    """Run the job; return the consolidated model folder (``None`` when saving is off)."""
+    ranks = Ranks.from_env()
+    spec = loaded.spec
+    settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
+    resume = checkpoints.choose_resume(spec.train.resume, output_dir, ranks.world_size)
+    if ranks.rank == 0:
+        print(
+            f"dzctl-train: {ranks.world_size} ranks, micro-batch {settings.micro_batch_size}, "
+            f"accumulation {settings.gradient_accumulation_steps}, {settings.precision}, "
+            f"gradient checkpointing {settings.gradient_checkpointing}, DeepSpeed config {settings.ds_config_source}, "
+            f"resume from {resume.path if resume else 'nothing (fresh start)'}",
+            flush=True,
+        )
+    args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
+    hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
+    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.name_or_path)
+    model = build_model(loaded, settings.precision, len(tokenizer))
+    dataset = load_dataset(loaded, tokenizer, settings, ranks, model.config.vocab_size, log)
+    callback = ProgressCallback(log, ranks, save=save)
+    trainer = DzTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=Collator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    callback.trainer = trainer
+    result = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
+    final_dir = None
+    if save:
+        final_dir = output_dir / CONSOLIDATED
+        trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0
+        if ranks.rank == 0:
+            tokenizer.save_pretrained(str(final_dir))
+            checkpoints.check_consolidated(final_dir, expected_shapes(trainer.model))
+    peaks = gather_memory_peaks()
+    if ranks.rank == 0:
+        state = trainer.state
+        step_times = callback.step_times
+        mean = sum(step_times) / len(step_times) if step_times else None
+        log.write(
+            "end",
+            step=state.global_step,
+            max_steps=state.max_steps,
+            epoch=finite(state.epoch),
+            loss=finite(getattr(result, "training_loss", None)),
+            learning_rate=None,
+            tokens_per_s=round(trainer.tokens_seen * ranks.world_size / sum(step_times), 1) if mean else None,
+            samples_per_s=round(trainer.samples_seen * ranks.world_size / sum(step_times), 3) if mean else None,
+            gpu_mem_peak_gib=callback._common(state)["gpu_mem_peak_gib"],
+            eta_s=0.0,
+            path=str(final_dir) if final_dir else None,
+            step_times_s=[round(t, 4) for t in step_times],
+            # Per rank: [max_memory_allocated, max_memory_reserved] in GiB, rank order.
+            gpu_mem_peak_gib_per_rank=peaks,
+        )
+    if math.isnan(getattr(result, "training_loss", 0.0) or 0.0):
+        raise RuntimeError("training loss is NaN")
+    return final_dir

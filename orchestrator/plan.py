@@ -122,7 +122,7 @@ def _plan_node(
     job_dir = f"{remote_dir_for(spec, node.host)}/jobs/{job_id}"
     output_dir = output_dir_for(spec, node.host)
     gpus = node.slots if spec.accelerator == "gpu" else ()
-    visible_env = _node_env(spec, job_id, rank, interface)
+    visible_env = _node_env(spec, job_id, rank, num_nodes, interface)
     shown_env = {**visible_env, **dict.fromkeys(secrets, MASK)}
     if spec.runtime == "docker":
         command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{CONTAINER_JOB_DIR}/job.yaml", "docker")
@@ -155,12 +155,14 @@ def container_name(job_id: str, rank: int) -> str:
     return f"dzctl-{job_id}-{rank}"
 
 
-def _node_env(spec: JobSpec, job_id: str, rank: int, interface: str | None) -> dict[str, str]:
+def _node_env(spec: JobSpec, job_id: str, rank: int, num_nodes: int, interface: str | None) -> dict[str, str]:
     env = {k: v for k, v in spec.launch.env.items() if not is_secret_name(k)}
     env.update(
         DZCTL_JOB=spec.name,
         DZCTL_JOB_ID=job_id,
         DZCTL_NODE_RANK=str(rank),
+        # The trainers' gang watchdog (orchestrator/train/gang.py) watches this many nodes.
+        DZCTL_NUM_NODES=str(num_nodes),
         # Unbuffered output, so `dzctl logs --follow` shows lines as they happen.
         PYTHONUNBUFFERED="1",
     )
@@ -264,7 +266,7 @@ def _process_run(
     # orchestrator.nodeexec detaches the launcher, sets its environment (reading
     # secrets from the 0600 file, so they never sit in argv), and records its
     # pid, log and exit code in the job directory for status/logs/stop.
-    argv = [spec.launch.python, "-m", "orchestrator.nodeexec", "--job-dir", job_dir, "--rank", str(rank)]
+    argv = [spec.launch.python, "-m", "orchestrator.nodeexec", "start", "--job-dir", job_dir, "--rank", str(rank)]
     if has_secrets:
         argv += ["--env-file", f"{job_dir}/env"]
     for key, value in env.items():

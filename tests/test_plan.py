@@ -45,6 +45,7 @@ def _env(rank: int) -> dict[str, str]:
         "DZCTL_JOB": "qwen72b",
         "DZCTL_JOB_ID": JOB_ID,
         "DZCTL_NODE_RANK": str(rank),
+        "DZCTL_NUM_NODES": "2",
         "HF_HOME": "/data/hf",
         "PYTHONUNBUFFERED": "1",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -118,9 +119,9 @@ def test_gpu_subset_and_process_runtime():
     assert node.container_name is None
     assert plan.image is None
     assert node.argv == (
-        "python3", "-m", "orchestrator.nodeexec", "--job-dir", "/var/tmp/dzctl/jobs/j-1", "--rank", "0",
+        "python3", "-m", "orchestrator.nodeexec", "start", "--job-dir", "/var/tmp/dzctl/jobs/j-1", "--rank", "0",
         "--env", "CUDA_VISIBLE_DEVICES=1,3", "--env", "DZCTL_JOB=qwen3-8b", "--env", "DZCTL_JOB_ID=j-1",
-        "--env", "DZCTL_NODE_RANK=0", "--env", "HF_HOME=/data/hf", "--env", "PYTHONUNBUFFERED=1",
+        "--env", "DZCTL_NODE_RANK=0", "--env", "DZCTL_NUM_NODES=1", "--env", "HF_HOME=/data/hf", "--env", "PYTHONUNBUFFERED=1",
         "--env", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
         "--",
         "python3", "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",

@@ -1,18 +1,26 @@
-"""``dzctl launch``: plan a job on the hostfile's nodes; ``--dry-run`` prints the plan."""
+"""``dzctl launch``: check every node, plan memory, ship the job, start one launcher per node."""
 
 from __future__ import annotations
 
 import json
 import secrets as pysecrets
+import sys
 import time
 
 import click
 
-from ..errors import InputError
+from ..dsconfig import Resolved
+from ..errors import RuntimeFailure
 from ..hostfile import Node, ResourceFilter, load_nodes
-from ..options import hosts_options, job_options, json_option, load_job_from_options
+from ..jobfiles import job_files, resolved_spec, secret_env
+from ..launch import start_job
+from ..memory import nodes_description, plan_for_job, require_fit
+from ..options import hosts_options, job_options, json_option, load_job_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
 from ..spec import LoadedJob, read_env_file
+from ..ssh import HostPool
+from ..store import JobStore
+from .follow import follow_job
 
 
 def new_job_id(name: str, now: float | None = None) -> str:
@@ -25,34 +33,121 @@ def nodes_from_options(hostfile: str, include: str, exclude: str, num_nodes, num
     return load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
 
 
-def secret_names_of(job: LoadedJob) -> tuple[str, ...]:
-    """Names defined in ``launch.env_file`` (all secret by definition: that file is for secrets)."""
+def env_file_values(job: LoadedJob) -> dict[str, str]:
+    """``launch.env_file`` read locally (all its names are secret: that file is for secrets)."""
     if not job.spec.launch.env_file:
-        return ()
-    path = job.resolve_local(job.spec.launch.env_file)
-    return tuple(read_env_file(path, job.where("launch.env_file")))
+        return {}
+    return read_env_file(job.resolve_local(job.spec.launch.env_file), job.where("launch.env_file"))
 
 
-def plan_from_options(job: LoadedJob, nodes: list[Node], job_id: str) -> LaunchPlan:
-    return make_plan(job.spec, nodes, job_id, secret_names=secret_names_of(job))
+def memory_choice(job: LoadedJob, nodes: list[Node], gpu_mem_gib, host_mem_gib) -> tuple[Resolved, dict]:
+    """The planner's configuration for these nodes, or DoesNotFit with the numbers."""
+    slots = [n.num_slots for n in nodes]
+    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib)
+    require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
+    return plan.resolved(), ds_config
 
 
 @click.command("launch")
 @job_options
 @hosts_options
+@ssh_options
 @click.option("--dry-run", is_flag=True, help="Print the plan; touch no host.")
+@click.option(
+    "--follow/--detach",
+    default=None,
+    help="Stream every node's output until the job ends (default on a terminal), or return once all nodes run.",
+)
+@click.option("--replace", is_flag=True, help="Stop a running job of the same name first.")
+@click.option("--no-distribute", is_flag=True, help="Do not copy the image to nodes that lack it; fail instead.")
 @json_option
-def launch_command(job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, dry_run, as_json):
+def launch_command(
+    job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
+    dry_run, follow, replace, no_distribute, as_json,
+):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
-    plan = plan_from_options(job, nodes, new_job_id(job.spec.name))
-    if not dry_run:
-        raise InputError("launch without --dry-run is not available yet", fix="add --dry-run to see the plan")
+    secrets = secret_env(job, env_file_values(job))
+    job_id = new_job_id(job.spec.name)
+    if dry_run:
+        plan = make_plan(job.spec, nodes, job_id, secret_names=tuple(secrets))
+        click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))
+        return
+    with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
+        report = _preflight(job, nodes, pool, as_json)
+        gpu_mem = _min_reading(report, "gpu_mem_gib")
+        host_mem = _min_reading(report, "host_mem_gib")
+        resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem)
+        if job.spec.runtime == "docker" and not no_distribute:
+            _distribute_if_missing(job, nodes, pool, report)
+        plan = make_plan(
+            job.spec,
+            nodes,
+            job_id,
+            secret_names=tuple(secrets),
+            master_addr=getattr(report, "master_addr", None),
+            interfaces=getattr(report, "interfaces", None),
+        )
+        files = {n.node_rank: job_files(job, plan, n, nodes, ds_config, resolved, secrets) for n in plan.nodes}
+        with JobStore() as store:
+            started = start_job(
+                job,
+                plan,
+                files,
+                pool,
+                store,
+                spec_record=resolved_spec(job, plan, plan.nodes[0], resolved),
+                ssh_config=ssh_config,
+                replace=replace,
+            )
+            _note(as_json, f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
+            if follow is None:
+                follow = sys.stdout.isatty() and not as_json
+            if not follow:
+                if as_json:
+                    click.echo(json.dumps({"job": plan.job, "job_id": plan.job_id, "state": "running"}))
+                return
+            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json)
     if as_json:
-        click.echo(json.dumps(plan.to_dict(), indent=2))
-    else:
-        click.echo(render_plan(plan))
+        click.echo(json.dumps(status.to_dict()))
+    if status.state != "succeeded":
+        failure = status.first_failure
+        where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
+        raise RuntimeFailure(f"job {plan.job_id} {status.state}{where}", fix=f"dzctl logs {plan.job_id} --tail 100")
+
+
+def _note(quiet: bool, text: str) -> None:
+    # Progress notes go to stderr: with --json, stdout holds exactly one object.
+    click.echo(text, err=True)
+
+
+def _min_reading(report, name: str) -> float | None:
+    values = getattr(report, name, None)
+    if isinstance(values, dict):
+        values = [v for v in values.values() if v is not None]
+        return min(values) if values else None
+    return values
+
+
+def _preflight(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool):
+    from ..preflight import render_report, run_preflight
+
+    report = run_preflight(job, nodes, pool)
+    if not report.ok:
+        click.echo(render_report(report), err=True)
+        raise RuntimeFailure(
+            f"preflight failed on {len({h for h, _ in report.failures()})} host(s); nothing was started",
+            fix="fix what the table names, then launch again (`dzctl preflight` re-checks)",
+        )
+    return report
+
+
+def _distribute_if_missing(job: LoadedJob, nodes: list[Node], pool: HostPool, report) -> None:
+    from ..distribute import distribute_image
+
+    result = distribute_image(job.spec.image, [n.host for n in nodes], pool)
+    result.raise_on_failure()
 
 
 def render_plan(plan: LaunchPlan) -> str:

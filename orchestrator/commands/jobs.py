@@ -1,0 +1,165 @@
+"""``dzctl status``, ``dzctl logs`` and ``dzctl stop``: about launched jobs, asked of their hosts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from ..errors import RemoteError, RuntimeFailure
+from ..observe import gather_status, stop_nodes, stream_logs
+from ..options import json_option, ssh_options
+from ..ssh import HostPool
+from ..status import JobStatus
+from ..store import FINAL_STATES, JobRecord, JobStore
+
+
+def _pool(record: JobRecord, ssh_config: str | None, trust_new_hosts: bool) -> HostPool:
+    return HostPool(record.hosts, ssh_config=ssh_config or record.ssh_config, trust_new_hosts=trust_new_hosts)
+
+
+def _refresh(record: JobRecord, store: JobStore, pool: HostPool) -> JobStatus:
+    status = gather_status(record, pool)
+    if status.state != record.state and (status.state in FINAL_STATES or record.state == "starting"):
+        store.set_state(record.job_id, status.state)
+    return status
+
+
+@click.command("status")
+@click.argument("job_ref", metavar="[JOB]", required=False)
+@ssh_options
+@json_option
+@click.option("--watch", is_flag=True, help="Refresh every few seconds until the job ends.")
+@click.option("--interval", type=float, default=5.0, show_default=True, help="Seconds between --watch refreshes.")
+def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interval):
+    """List jobs, or show one job's state as its hosts report it (JOB: name or id)."""
+    with JobStore() as store:
+        if job_ref is None:
+            records = store.all()
+            if as_json:
+                click.echo(json.dumps({"jobs": [_summary(r) for r in records]}))
+            else:
+                click.echo(_render_list(records))
+            return
+        record = store.get(job_ref)
+        with _pool(record, ssh_config, trust_new_hosts) as pool:
+            while True:
+                status = _refresh(record, store, pool)
+                if as_json:
+                    click.echo(json.dumps(status.to_dict()))
+                else:
+                    if watch:
+                        click.clear()
+                    click.echo(render_status(status))
+                if not watch or status.state in FINAL_STATES:
+                    return
+                time.sleep(interval)
+
+
+def _summary(record: JobRecord) -> dict:
+    return {
+        "job": record.name,
+        "job_id": record.job_id,
+        "state": record.state,
+        "hosts": record.hosts,
+        "created": record.created,
+        "finished": record.finished,
+    }
+
+
+def _render_list(records: list[JobRecord]) -> str:
+    if not records:
+        return "no jobs yet: dzctl launch JOB --hosts FILE"
+    lines = [f"{'JOB ID':44} {'STATE':10} {'NODES':5} STARTED (UTC)"]
+    for r in records:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.created))
+        lines.append(f"{r.job_id:44} {r.state:10} {len(r.hosts):<5} {started}")
+    return "\n".join(lines)
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def render_status(status: JobStatus) -> str:
+    lines = [f"job {status.job}  id {status.job_id}  state {status.state.upper()}"]
+    progress = status.progress
+    if progress:
+        parts = [f"progress step {progress.get('step')}/{progress.get('max_steps')}"]
+        if progress.get("loss") is not None:
+            parts.append(f"loss {progress['loss']:.4f}")
+        if progress.get("tokens_per_s") is not None:
+            parts.append(f"tokens/s {progress['tokens_per_s']:,.0f}")
+        parts.append(f"eta {_fmt_s(progress.get('eta_s'))}")
+        parts.append(f"last progress {_fmt_s(status.progress_age_s)} ago")
+        lines.append("  ".join(parts))
+    else:
+        lines.append("progress none yet")
+    lines.append(f"{'RANK':4} {'HOST':24} {'STATE':11} {'EXIT':5} OOM")
+    for n in status.nodes:
+        exit_code = "-" if n.exit_code is None else str(n.exit_code)
+        lines.append(f"{n.node_rank:<4} {n.host:24} {n.state:11} {exit_code:5} {'yes' if n.oom_killed else 'no'}")
+    if status.first_failure:
+        f = status.first_failure
+        lines.append(f"first failure: rank {f['node_rank']} on {f['host']} (exit {f['exit_code']}): {f['reason']}")
+    return "\n".join(lines)
+
+
+@click.command("logs")
+@click.argument("job_ref", metavar="JOB")
+@click.option("--rank", type=int, default=None, help="Only this node rank.")
+@click.option("--follow", "-f", is_flag=True, help="Keep streaming until the ranks end.")
+@click.option("--tail", type=int, default=None, help="Only the last N lines of each rank.")
+@ssh_options
+def logs_command(job_ref, rank, follow, tail, ssh_config, trust_new_hosts):
+    """Every node's output, each line prefixed with its rank and host."""
+    with JobStore() as store:
+        record = store.get(job_ref)
+    if rank is not None and not 0 <= rank < len(record.hosts):
+        raise click.BadParameter(f"job {record.job_id} has ranks 0-{len(record.hosts) - 1}", param_hint="--rank")
+    with _pool(record, ssh_config, trust_new_hosts) as pool:
+        threads = stream_logs(record, pool, ranks=None if rank is None else [rank], tail=tail, follow=follow)
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(timeout=0.5)
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+
+
+@click.command("stop")
+@click.argument("job_ref", metavar="JOB")
+@ssh_options
+@json_option
+def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
+    """Stop every node of a job at once and remove its containers."""
+    with JobStore() as store:
+        record = store.get(job_ref)
+        with _pool(record, ssh_config, trust_new_hosts) as pool:
+            outcomes = stop_nodes(record, pool, remove=True)
+            failed = {h: o for h, o in outcomes.items() if isinstance(o, RemoteError)}
+            if not failed and record.state not in ("succeeded", "failed"):
+                store.set_state(record.job_id, "stopped", reason="dzctl stop")
+        result = {
+            "job": record.name,
+            "job_id": record.job_id,
+            "hosts": {h: ("stopped" if h not in failed else f"error: {failed[h].message}") for h in outcomes},
+        }
+        click.echo(json.dumps(result) if as_json else "\n".join(f"{h}: {s}" for h, s in result["hosts"].items()))
+        if failed:
+            raise RuntimeFailure(
+                f"could not stop job {record.job_id} on {', '.join(failed)}",
+                fix=f"rerun `dzctl stop {record.job_id}` once the host is reachable",
+            )
+
+
+def register(group: click.Group) -> None:
+    group.add_command(status_command)
+    group.add_command(logs_command)
+    group.add_command(stop_command)

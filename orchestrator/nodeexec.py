@@ -1,0 +1,215 @@
+"""The node side of ``runtime: process``: what a container gives the docker runtime.
+
+    python -m orchestrator.nodeexec start  --job-dir D --rank R [--env-file F] [--env K=V]... -- CMD...
+    python -m orchestrator.nodeexec status --job-dir D --rank R
+    python -m orchestrator.nodeexec follow --job-dir D --rank R [--tail N]
+    python -m orchestrator.nodeexec stop   --job-dir D --rank R [--grace S]
+
+``start`` detaches a supervisor (so the SSH session may close) that runs CMD
+in its own process group with its output in ``D/rank-R.log``, and records
+pid, start, exit code and end in ``D/rank-R.json``: the truth ``dzctl status``
+reads, like ``docker inspect`` for a container. Secrets come from the 0600
+env file, never from argv (which ``ps`` shows to every user).
+
+Standard library only: it runs on nodes where only the trainer's Python is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STATE_WAIT_S = 10.0  # how long `start` waits for the supervisor to report the launcher's pid
+
+
+def _paths(job_dir: str, rank: int) -> tuple[Path, Path]:
+    base = Path(job_dir)
+    return base / f"rank-{rank}.log", base / f"rank-{rank}.json"
+
+
+def _read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_state(path: Path, state: dict) -> None:
+    # Write then rename: a reader never sees half a file.
+    temp = path.with_suffix(".json.tmp")
+    temp.write_text(json.dumps(state))
+    os.replace(temp, path)
+
+
+def _read_env_file(path: str) -> dict[str, str]:
+    values = {}
+    for raw in Path(path).read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#") and "=" in line:
+            name, _, value = line.partition("=")
+            values[name.strip()] = value
+    return values
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start(args: argparse.Namespace) -> int:
+    log_path, state_path = _paths(args.job_dir, args.rank)
+    previous = _read_state(state_path)
+    if previous and previous.get("exit_code") is None and _alive(previous.get("pid", -1)):
+        print(f"rank {args.rank} already runs as pid {previous['pid']}", file=sys.stderr)
+        return 1
+    state_path.unlink(missing_ok=True)
+    env = dict(os.environ)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    if args.env_file:
+        env.update(_read_env_file(args.env_file))
+    if not args.command:
+        print("no command given after --", file=sys.stderr)
+        return 2
+    if os.fork() == 0:
+        _supervise(args.command, env, log_path, state_path)  # never returns
+    deadline = time.monotonic() + STATE_WAIT_S
+    while time.monotonic() < deadline:
+        state = _read_state(state_path)
+        if state is not None:
+            print(json.dumps(state))
+            return 0 if state.get("error") is None else 1
+        time.sleep(0.05)
+    print(f"the supervisor did not report within {STATE_WAIT_S:g} s; see {log_path}", file=sys.stderr)
+    return 1
+
+
+def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_path: Path) -> None:
+    """The detached child: run the command, record its end. Exits the process."""
+    code = 1
+    try:
+        os.setsid()  # leave the SSH session's process group: a closed session must not kill training
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)  # release the SSH channel, which waits for EOF on our stdout
+        with open(log_path, "ab", buffering=0) as log:
+            try:
+                proc = subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+                )
+            except OSError as exc:
+                log.write(f"dzctl: cannot start {command[0]}: {exc.strerror}\n".encode())
+                _write_state(state_path, {"pid": None, "error": str(exc), "exit_code": 127, "finished": time.time()})
+                os._exit(1)
+            state = {"pid": proc.pid, "supervisor": os.getpid(), "started": time.time(), "exit_code": None}
+            _write_state(state_path, state)
+            returncode = proc.wait()
+            # Like a shell and docker: death by signal N is 128+N.
+            state.update(exit_code=128 - returncode if returncode < 0 else returncode, finished=time.time())
+            _write_state(state_path, state)
+            code = 0
+    finally:
+        os._exit(code)
+
+
+def status(args: argparse.Namespace) -> int:
+    _, state_path = _paths(args.job_dir, args.rank)
+    state = _read_state(state_path)
+    if state is None:
+        print(json.dumps({"state": "missing"}))
+        return 0
+    if state.get("exit_code") is not None:
+        state["state"] = "exited"
+    elif _alive(state["pid"]):
+        state["state"] = "running"
+    else:
+        # The supervisor itself died (node reboot, kill -9): the end was never recorded.
+        state["state"] = "dead"
+    print(json.dumps(state))
+    return 0
+
+
+def follow(args: argparse.Namespace) -> int:
+    log_path, state_path = _paths(args.job_dir, args.rank)
+    out = sys.stdout.buffer
+    if not log_path.exists():
+        print(f"no log at {log_path}", file=sys.stderr)
+        return 1
+    with open(log_path, "rb") as handle:
+        if args.tail is not None:
+            lines = handle.read().splitlines(keepends=True)
+            out.write(b"".join(lines[-args.tail :] if args.tail else []))
+        while True:
+            chunk = handle.read(1 << 16)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+            if not args.follow:
+                return 0
+            state = _read_state(state_path) or {}
+            if state.get("exit_code") is not None or not _alive(state.get("pid") or -1):
+                out.write(handle.read())
+                out.flush()
+                return 0
+            time.sleep(0.25)
+
+
+def stop(args: argparse.Namespace) -> int:
+    _, state_path = _paths(args.job_dir, args.rank)
+    state = _read_state(state_path) or {}
+    pid = state.get("pid")
+    if not pid or state.get("exit_code") is not None:
+        return 0
+    # SIGTERM first: torchrun forwards it to the ranks, which can exit cleanly.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.grace
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    # Wait for the supervisor to record the exit code (it reaps the launcher).
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (_read_state(state_path) or {}).get("exit_code") is None:
+        time.sleep(0.1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.nodeexec")
+    sub = parser.add_subparsers(dest="action", required=True)
+    for name in ("start", "status", "follow", "stop"):
+        p = sub.add_parser(name)
+        p.add_argument("--job-dir", required=True)
+        p.add_argument("--rank", type=int, required=True)
+        if name == "start":
+            p.add_argument("--env-file")
+            p.add_argument("--env", action="append", default=[])
+            p.add_argument("command", nargs=argparse.REMAINDER)
+        if name == "follow":
+            p.add_argument("--tail", type=int)
+            p.add_argument("--no-follow", dest="follow", action="store_false")
+        if name == "stop":
+            p.add_argument("--grace", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    if args.action == "start" and args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    return {"start": start, "status": status, "follow": follow, "stop": stop}[args.action](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

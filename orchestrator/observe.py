@@ -1,0 +1,169 @@
+"""Ask the hosts about a job: node states, progress, logs; stop it. Side effects live here."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+from .errors import RemoteError
+from .nodeops import NodeState, inspect_argv, logs_argv, parse_inspect, progress_argv, remove_argv, stop_argv
+from .ssh import HostPool
+from .status import JobStatus, derive_state, first_failure, node_failed, node_status, parse_progress
+from .store import JobRecord
+
+INSPECT_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 60
+
+
+def _python(record: JobRecord) -> str:
+    return record.spec.get("launch", {}).get("python", "python3")
+
+
+def node_states(record: JobRecord, pool: HostPool) -> dict[int, NodeState]:
+    nodes = record.plan["nodes"]
+
+    def one(node: dict) -> NodeState:
+        try:
+            result = pool.connection(node["host"]).run(
+                inspect_argv(record.runtime, node, _python(record)), timeout=INSPECT_TIMEOUT_S
+            )
+        except RemoteError as exc:
+            return NodeState("unreachable", error=exc.message)
+        try:
+            return parse_inspect(record.runtime, result.exit_code, result.stdout, result.stderr)
+        except (ValueError, KeyError) as exc:
+            return NodeState("unreachable", error=f"unreadable state: {exc}")
+
+    outcomes: dict[int, NodeState] = {}
+    threads = [threading.Thread(target=lambda n=n: outcomes.__setitem__(n["node_rank"], one(n))) for n in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
+    states = node_states(record, pool)
+    nodes = [node_status(n["host"], n["node_rank"], states[n["node_rank"]]) for n in record.plan["nodes"]]
+    rank0 = record.plan["nodes"][0]
+    progress = age = error = None
+    try:
+        result = pool.connection(rank0["host"]).run(progress_argv(rank0["output_dir"]), timeout=INSPECT_TIMEOUT_S)
+        if result.exit_code == 0:
+            progress, age, error = parse_progress(result.stdout)
+    except RemoteError:
+        pass  # the node states already say the host is unreachable
+    reasons: dict[int, str] = {}
+    failed = [n for n in nodes if node_failed(n)]
+    if failed:
+        first = first_failure(nodes, {})
+        reasons[first["node_rank"]] = _last_error_line(record, pool, first["node_rank"]) or (
+            error if first["node_rank"] == 0 else None
+        )
+        reasons = {k: v for k, v in reasons.items() if v}
+    state = derive_state(record.state, nodes)
+    return JobStatus(
+        job=record.name,
+        job_id=record.job_id,
+        state=state,
+        nodes=nodes,
+        progress=progress,
+        progress_age_s=age,
+        first_failure=first_failure(nodes, reasons),
+    )
+
+
+def _last_error_line(record: JobRecord, pool: HostPool, rank: int) -> str | None:
+    """The last line that reads like an error in the rank's log (else its last line)."""
+    node = record.plan["nodes"][rank]
+    try:
+        result = pool.connection(node["host"]).run(
+            logs_argv(record.runtime, node, _python(record), tail=50, follow=False), timeout=INSPECT_TIMEOUT_S
+        )
+    except RemoteError:
+        return None
+    lines = [x.strip() for x in (result.stdout + "\n" + result.stderr).splitlines() if x.strip()]
+    for line in reversed(lines):
+        if any(word in line for word in ("Error", "error:", "Exception", "FAILED", "Killed", "dzctl")):
+            return line[-400:]
+    return lines[-1][-400:] if lines else None
+
+
+def stop_nodes(record: JobRecord, pool: HostPool, *, remove: bool, ranks: list[int] | None = None) -> dict:
+    """Stop (and remove) every rank's container or process, all nodes at once; outcomes per host."""
+    nodes = [n for n in record.plan["nodes"] if ranks is None or n["node_rank"] in ranks]
+    outcomes: dict[str, object] = {}
+
+    def one(node: dict) -> None:
+        try:
+            conn = pool.connection(node["host"])
+            conn.run(stop_argv(record.runtime, node, _python(record)), timeout=STOP_TIMEOUT_S)
+            argv = remove_argv(record.runtime, node)
+            if remove and argv:
+                conn.run(argv, timeout=STOP_TIMEOUT_S)
+            outcomes[node["host"]] = "stopped"
+        except RemoteError as exc:
+            outcomes[node["host"]] = exc
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+class LinePrefixer:
+    """Turns chunks of one rank's output into whole lines prefixed with ``[rank host]``."""
+
+    def __init__(self, prefix: str, write: Callable[[str], None], lock: threading.Lock) -> None:
+        self.prefix = prefix
+        self.write = write
+        self.lock = lock
+        self.buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        if lines:
+            text = "".join(f"{self.prefix}{line.decode('utf-8', 'replace').rstrip(chr(13))}\n" for line in lines)
+            with self.lock:
+                self.write(text)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.feed(b"\n")
+
+
+def stream_logs(
+    record: JobRecord,
+    pool: HostPool,
+    *,
+    ranks: list[int] | None,
+    tail: int | None,
+    follow: bool,
+    write: Callable[[str], None] | None = None,
+) -> list[threading.Thread]:
+    """Start one thread per rank streaming its log, prefixed; returns the threads (join them)."""
+    write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    lock = threading.Lock()
+    threads = []
+    for node in record.plan["nodes"]:
+        if ranks is not None and node["node_rank"] not in ranks:
+            continue
+        prefixer = LinePrefixer(f"[{node['node_rank']} {node['host']}] ", write, lock)
+
+        def run(node=node, prefixer=prefixer) -> None:
+            argv = logs_argv(record.runtime, node, _python(record), tail=tail, follow=follow)
+            try:
+                pool.connection(node["host"]).run(argv, on_stdout=prefixer.feed, on_stderr=prefixer.feed)
+            except RemoteError as exc:
+                prefixer.feed(f"dzctl: cannot read the log: {exc.message}\n".encode())
+            prefixer.flush()
+
+        thread = threading.Thread(target=run, daemon=True, name=f"logs-{node['node_rank']}")
+        thread.start()
+        threads.append(thread)
+    return threads

@@ -1,0 +1,136 @@
+"""A job's state, derived from what the hosts say (pure; ``observe.py`` asks them).
+
+The record alone can be stale (the controller may have been killed, a node may
+have died since): the node states and rank 0's progress.jsonl decide.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from .nodeops import NodeState
+
+FAILED_NODE_STATES = frozenset({"dead"})
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    host: str
+    node_rank: int
+    state: str
+    exit_code: int | None
+    oom_killed: bool
+    finished_at: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    job: str
+    job_id: str
+    state: str  # pending | running | succeeded | failed | stopped
+    nodes: list[NodeStatus]
+    progress: dict | None
+    progress_age_s: float | None
+    first_failure: dict | None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for node in data["nodes"]:
+            node.pop("finished_at")
+        return data
+
+
+def node_failed(node: NodeStatus) -> bool:
+    return node.state in FAILED_NODE_STATES or (node.state == "exited" and node.exit_code not in (0, None))
+
+
+def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:
+    if record_state == "stopped":
+        return "stopped"
+    if any(node_failed(n) for n in nodes):
+        return "failed"
+    states = {n.state for n in nodes}
+    if states == {"exited"}:
+        return "succeeded"
+    if "running" in states:
+        return "running"
+    if states <= {"missing", "created"} and record_state in ("starting", "pending"):
+        return "pending"
+    if states == {"missing"} and record_state in ("succeeded", "failed"):
+        return record_state  # containers removed after the end: the record has the result
+    if "missing" in states or "unreachable" in states:
+        return "failed" if record_state == "running" and "unreachable" not in states else record_state
+    return record_state
+
+
+def first_failure(nodes: list[NodeStatus], reasons: dict[int, str]) -> dict | None:
+    """The rank that failed first: the earliest end among failed nodes (the others were stopped after it)."""
+    failed = [n for n in nodes if node_failed(n)]
+    if not failed:
+        return None
+    first = min(failed, key=lambda n: (n.finished_at is None, n.finished_at or 0.0, n.node_rank))
+    return {
+        "node_rank": first.node_rank,
+        "host": first.host,
+        "exit_code": first.exit_code,
+        "reason": reasons.get(first.node_rank) or describe_exit(first),
+    }
+
+
+def describe_exit(node: NodeStatus) -> str:
+    if node.oom_killed:
+        return "killed by the kernel's OOM killer (host memory)"
+    if node.exit_code == 137:
+        return "killed (SIGKILL, exit 137): OOM killer, docker kill, or a lost node"
+    if node.exit_code == 143:
+        return "terminated (SIGTERM, exit 143)"
+    if node.state == "dead":
+        return "the rank's supervisor died without recording an exit code"
+    return f"exited with code {node.exit_code}"
+
+
+def parse_progress(text: str, now: float | None = None) -> tuple[dict | None, float | None, str | None]:
+    """From progress.jsonl: the latest progress, the age of its last line, and an error event's reason."""
+    last_step: dict | None = None
+    last_time: float | None = None
+    error: str | None = None
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written as we read
+        if not isinstance(event, dict):
+            continue
+        if isinstance(event.get("time"), (int, float)):
+            last_time = float(event["time"])
+        if event.get("step") is not None and event.get("event") in ("start", "step", "checkpoint", "end"):
+            last_step = event
+        if event.get("event") == "error":
+            error = str(event.get("reason") or event.get("error") or event.get("message") or "error")
+    progress = None
+    if last_step is not None:
+        progress = {
+            "step": last_step.get("step"),
+            "max_steps": last_step.get("max_steps"),
+            "loss": last_step.get("loss"),
+            "tokens_per_s": last_step.get("tokens_per_s"),
+            "eta_s": last_step.get("eta_s"),
+            "event": last_step.get("event"),
+        }
+    age = None if last_time is None else max(0.0, (now if now is not None else time.time()) - last_time)
+    return progress, age, error
+
+
+def node_status(host: str, rank: int, state: NodeState) -> NodeStatus:
+    return NodeStatus(
+        host=host,
+        node_rank=rank,
+        state=state.state,
+        exit_code=state.exit_code,
+        oom_killed=state.oom_killed,
+        finished_at=state.finished_at,
+        error=state.error,
+    )

@@ -1,0 +1,129 @@
+"""Gang failure: when one node's ranks die, every other node's ranks stop within seconds.
+
+Without this, a node killed mid-run leaves the others blocked in a collective
+until NCCL's (or gloo's) 30-minute timeout, holding their GPUs. It works with
+or without a dzctl process attached, because the nodes watch each other:
+
+- on each node, local rank 0 bumps a heartbeat counter in the job's rendezvous
+  store (the TCPStore that torchrun's agent serves on master_addr:master_port)
+  every HEARTBEAT_S, and reads every other node's counter;
+- a node whose counter has not moved for STALE_S, a failure mark set by a rank
+  that raised, or the store itself gone (node 0 died) makes the watcher print
+  why and end its process: torchrun then stops the node's other ranks and
+  exits non-zero, and so does the container.
+
+Counters rather than timestamps: nodes' clocks may differ; each watcher only
+compares a counter against its own monotonic clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+HEARTBEAT_S = 2.0
+STALE_S = 15.0  # well inside the 30 s promise, well above a GC pause or a slow store round trip
+GANG_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped because another node failed"
+
+_watchdog: Watchdog | None = None
+
+
+class Watchdog:
+    def __init__(self, store, job_key: str, node_rank: int, num_nodes: int) -> None:
+        self.store = store
+        self.prefix = f"dzctl/gang/{job_key}"
+        self.node_rank = node_rank
+        self.num_nodes = num_nodes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dzctl-gang", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self) -> None:
+        """This node ended well: the others must not take its silence for a failure."""
+        self._stop.set()
+        with contextlib.suppress(Exception):  # a vanished store has nobody left to tell
+            self.store.set(f"{self.prefix}/done/{self.node_rank}", "1")
+
+    def mark_failed(self, reason: str) -> None:
+        """Tell the other nodes to stop now instead of after STALE_S."""
+        with contextlib.suppress(Exception):  # the store may be the thing that failed
+            self.store.set(f"{self.prefix}/failed", f"node {self.node_rank}: {reason}"[:500])
+            self.store.add(f"{self.prefix}/failures", 1)
+
+    def _run(self) -> None:
+        seen = {n: (-1, time.monotonic()) for n in range(self.num_nodes) if n != self.node_rank}
+        done: set[int] = set()
+        store_lost_since: float | None = None
+        while not self._stop.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            try:
+                self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
+                if self.store.add(f"{self.prefix}/failures", 0) > 0:
+                    why = self.store.get(f"{self.prefix}/failed").decode(errors="replace")
+                    self._abort(f"another node failed ({why})")
+                for node, (count, since) in seen.items():
+                    if node in done or self.store.check([f"{self.prefix}/done/{node}"]):
+                        done.add(node)  # it finished its part; its silence is expected
+                        continue
+                    current = self.store.add(f"{self.prefix}/hb/{node}", 0)
+                    if current != count:
+                        seen[node] = (current, now)
+                    elif count >= 0 and now - since > STALE_S:
+                        self._abort(f"node {node} stopped answering for {now - since:.0f} s (killed or lost)")
+                    elif count < 0 and now - since > STALE_S * 8:
+                        # A node that never beat: it died while loading (the others waited in a collective).
+                        self._abort(f"node {node} never started its heartbeat")
+                store_lost_since = None
+            except Exception as exc:
+                if 0 in done:
+                    return  # node 0 finished and its agent took the store with it: nothing to watch
+                store_lost_since = store_lost_since or now
+                if now - store_lost_since > STALE_S:
+                    self._abort(f"lost the rendezvous store on the master node ({type(exc).__name__}: {exc})")
+
+    def _abort(self, reason: str) -> None:
+        print(f"dzctl gang: node {self.node_rank} stops: {reason}", file=sys.stderr, flush=True)
+        # os._exit: a rank blocked in a collective never returns to Python to
+        # exit cleanly; torchrun sees this rank end and stops its siblings.
+        os._exit(GANG_EXIT_CODE)
+
+
+def start_watchdog() -> Watchdog | None:
+    """Start watching the other nodes (local rank 0 only; multi-node jobs only)."""
+    global _watchdog
+    num_nodes = int(os.environ.get("DZCTL_NUM_NODES", "1"))
+    if num_nodes < 2 or int(os.environ.get("LOCAL_RANK", "0")) != 0 or _watchdog is not None:
+        return None
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=10),
+        wait_for_workers=False,
+    )
+    _watchdog = Watchdog(
+        store,
+        os.environ.get("DZCTL_JOB_ID", "job"),
+        int(os.environ.get("DZCTL_NODE_RANK", os.environ.get("GROUP_RANK", "0"))),
+        num_nodes,
+    )
+    _watchdog.start()
+    return _watchdog
+
+
+def finish() -> None:
+    if _watchdog is not None:
+        _watchdog.finish()
+
+
+def report_failure(reason: str) -> None:
+    if _watchdog is not None:
+        _watchdog.mark_failed(reason)

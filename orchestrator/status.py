@@ -53,6 +53,8 @@ def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:
     if any(node_failed(n) for n in nodes):
         return "failed"
     states = {n.state for n in nodes}
+    if "missing" in states and record_state == "running":
+        return "failed"  # every rank was started: a container that vanished was removed or lost
     if states == {"exited"}:
         return "succeeded"
     if "running" in states:
@@ -61,8 +63,6 @@ def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:
         return "pending"
     if states == {"missing"} and record_state in ("succeeded", "failed"):
         return record_state  # containers removed after the end: the record has the result
-    if "missing" in states or "unreachable" in states:
-        return "failed" if record_state == "running" and "unreachable" not in states else record_state
     return record_state
 
 

@@ -1,0 +1,123 @@
+"""Job state from node states and progress.jsonl (pure), and the node-side supervisor (real processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.nodeops import parse_inspect
+from orchestrator.status import NodeStatus, derive_state, first_failure, parse_progress
+
+
+def node(rank, state, exit_code=None, finished=None, oom=False):
+    return NodeStatus(f"h{rank}", rank, state, exit_code, oom, finished)
+
+
+@pytest.mark.parametrize(
+    ("record", "nodes", "expected"),
+    [
+        ("running", [node(0, "running"), node(1, "running")], "running"),
+        ("running", [node(0, "exited", 0, 5.0), node(1, "exited", 0, 6.0)], "succeeded"),
+        ("running", [node(0, "running"), node(1, "exited", 137, 5.0)], "failed"),
+        ("running", [node(0, "exited", 75, 9.0), node(1, "exited", 137, 5.0)], "failed"),
+        ("stopped", [node(0, "missing"), node(1, "missing")], "stopped"),
+        ("starting", [node(0, "missing"), node(1, "created")], "pending"),
+        ("succeeded", [node(0, "missing"), node(1, "missing")], "succeeded"),
+        ("running", [node(0, "missing"), node(1, "running")], "failed"),
+        ("running", [node(0, "dead"), node(1, "running")], "failed"),
+    ],
+)
+def test_derive_state(record, nodes, expected):
+    assert derive_state(record, nodes) == expected
+
+
+def test_first_failure_is_the_earliest_end():
+    nodes = [node(0, "exited", 75, 20.0), node(1, "exited", 137, 3.0), node(2, "exited", 0, 1.0)]
+    assert first_failure(nodes, {}) == {
+        "node_rank": 1,
+        "host": "h1",
+        "exit_code": 137,
+        "reason": "killed (SIGKILL, exit 137): OOM killer, docker kill, or a lost node",
+    }
+    assert first_failure(nodes, {1: "RuntimeError: boom"})["reason"] == "RuntimeError: boom"
+    assert first_failure([node(0, "exited", 0, 1.0)], {}) is None
+
+
+def test_progress_from_the_last_step_and_the_error_reason():
+    lines = [
+        {"event": "start", "time": 100.0, "step": 0, "max_steps": 30},
+        {"event": "step", "time": 110.0, "step": 5, "max_steps": 30, "loss": 2.5, "tokens_per_s": 900.0, "eta_s": 50},
+        {"event": "error", "time": 111.0, "reason": "CUDA out of memory"},
+    ]
+    text = "\n".join(json.dumps(x) for x in lines) + '\n{"event": "st'  # a line being written
+    progress, age, error = parse_progress(text, now=121.0)
+    assert progress == {"step": 5, "max_steps": 30, "loss": 2.5, "tokens_per_s": 900.0, "eta_s": 50, "event": "step"}
+    assert age == 10.0
+    assert error == "CUDA out of memory"
+
+
+def test_docker_inspect_parsing():
+    info = [
+        {
+            "State": {
+                "Status": "exited",
+                "ExitCode": 137,
+                "OOMKilled": True,
+                "StartedAt": "2026-11-30T01:00:00.5Z",
+                "FinishedAt": "2026-11-30T01:00:10.250000000Z",
+                "Error": "",
+            }
+        }
+    ]
+    state = parse_inspect("docker", 0, json.dumps(info), "")
+    assert (state.state, state.exit_code, state.oom_killed) == ("exited", 137, True)
+    assert state.finished_at - state.started_at == pytest.approx(9.75)
+    assert parse_inspect("docker", 1, "", "Error: No such container: x").state == "missing"
+
+
+def _nodeexec(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.nodeexec", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_process_supervisor_records_exit_and_survives_its_caller(tmp_path):
+    secrets = tmp_path / "env"
+    secrets.write_text("API_TOKEN=s3cret\n")
+    secrets.chmod(0o600)
+    started = _nodeexec(
+        "start", "--job-dir", str(tmp_path), "--rank", "1", "--env-file", str(secrets), "--env", "GREETING=hi",
+        "--", "sh", "-c", 'echo "$GREETING $API_TOKEN"; sleep 1; echo bye >&2; exit 3',
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    pid = json.loads(started.stdout)["pid"]
+    # The secret reached the process through the file, not its argv.
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        assert b"s3cret" not in handle.read()
+    followed = _nodeexec("follow", "--job-dir", str(tmp_path), "--rank", "1")
+    assert followed.stdout == "hi s3cret\nbye\n"
+    status = json.loads(_nodeexec("status", "--job-dir", str(tmp_path), "--rank", "1").stdout)
+    assert (status["state"], status["exit_code"]) == ("exited", 3)
+
+
+def test_process_supervisor_stop_kills_the_whole_group(tmp_path):
+    started = _nodeexec(
+        "start", "--job-dir", str(tmp_path), "--rank", "0", "--", "sh", "-c", "sleep 300 & sleep 300; wait"
+    )
+    assert started.returncode == 0, started.stderr
+    pid = json.loads(started.stdout)["pid"]
+    assert json.loads(_nodeexec("status", "--job-dir", str(tmp_path), "--rank", "0").stdout)["state"] == "running"
+    t0 = time.monotonic()
+    assert _nodeexec("stop", "--job-dir", str(tmp_path), "--rank", "0", "--grace", "2").returncode == 0
+    assert time.monotonic() - t0 < 15
+    status = json.loads(_nodeexec("status", "--job-dir", str(tmp_path), "--rank", "0").stdout)
+    assert (status["state"], status["exit_code"]) == ("exited", 143)
+    # Nothing of the group is left (allowing the kernel a moment to reap the killed).
+    deadline = time.monotonic() + 5
+    while subprocess.run(["pgrep", "-g", str(pid)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "processes of the stopped rank are still alive"
+        time.sleep(0.1)

@@ -26,7 +26,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RUNBOOKS = REPO / "docs" / "runbooks"
-DOC_FILES = sorted(RUNBOOKS.glob("*.md")) + [REPO / "README.md"]
+DOC_FILES = [*sorted(RUNBOOKS.glob("*.md")), REPO / "README.md"]
 
 FENCE = re.compile(r"^(```|~~~)")
 INLINE = re.compile(r"(?<!`)`(dzctl\s[^`]+)`(?!`)")

@@ -586,6 +586,7 @@ class HostPool:
         self.connect_timeout = connect_timeout
         self._connections: dict[str, Connection] = {}
         self._failures: dict[str, RemoteError] = {}
+        self.connect_seconds: dict[str, float] = {}  # how long each host's connect took (or failed after)
         self._locks = {host: threading.Lock() for host in self.hosts}
         self._closed = False
 
@@ -606,11 +607,14 @@ class HostPool:
                 return self._connections[host]
             if host in self._failures:
                 raise self._failures[host]
+            started = time.monotonic()
             try:
                 conn = self._open(host)
             except RemoteError as exc:
                 self._failures[host] = exc
                 raise
+            finally:
+                self.connect_seconds[host] = time.monotonic() - started
             self._connections[host] = conn
             return conn
 

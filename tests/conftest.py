@@ -43,3 +43,35 @@ def cluster(tmp_path_factory):
     yield make
     for built in reversed(started):
         built.close()
+
+
+# -- image tests (issue 5): a Docker daemon on this machine's root namespace, a local base image --
+def require_image_tools() -> None:
+    """Skip (or, under CI, fail) without root, dockerd and debootstrap."""
+    require_test_hosts(docker=True)
+    import shutil
+
+    if shutil.which("debootstrap") is None:
+        reason = "image tests need debootstrap (apt-get install debootstrap)"
+        if os.environ.get("DZCTL_REQUIRE_INTEGRATION") == "1":
+            pytest.fail(reason + " (DZCTL_REQUIRE_INTEGRATION=1)")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def local_docker_url():
+    """``unix://...`` of a dockerd on the root namespace (the one .ci/run started, or one started here)."""
+    require_image_tools()
+    from localdocker import local_docker
+
+    with local_docker() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def base_image(local_docker_url):
+    """Tag of the local Debian bookworm base (debootstrap, cached in /var/cache/dzctl-test)."""
+    import docker
+    from baseimage import ensure_base_image
+
+    return ensure_base_image(docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900))

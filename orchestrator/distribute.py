@@ -1,0 +1,492 @@
+"""Putting one image on every node, by image ID: version skew between nodes is a classic NCCL hang.
+
+``distribute_image`` asks every node (in parallel, over the SSH layer) whether it already has the
+image's ID; nodes that do are skipped. For the others, ``docker save`` runs ONCE here and its one
+stream, compressed once if asked, is teed to every needing node's ``docker load`` at the same time.
+Afterwards each node's image ID is checked against ours.
+
+A node that fails mid-transfer (connection lost, ``docker load`` error, a stalled reader) is
+dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
+is returned as data (``DistributeResult``); nothing is raised for a partial failure.
+
+Wire codecs (``codec=``): ``none``; ``gzip`` (``docker load`` reads gzip itself, so nodes need no
+extra tool); ``zstd`` (nodes need the ``zstd`` binary; checked first, else gzip). ``auto`` picks
+zstd when every needing node has it, else gzip: the SSH layer (paramiko) moves ~30-50 MB/s per
+connection on these machines, so shrinking the stream ~2-3x beats the CPU the codec costs
+(measured: benchmarks/distribute.py, numbers in its docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .errors import InputError, RemoteError, RuntimeFailure
+
+CHUNK = 1 << 20
+# How long one node may refuse to take data while the others wait on it. `docker load` pauses
+# between layers to write them out; minutes of silence means something is wrong with that node.
+DEFAULT_STALL_TIMEOUT = 300.0
+INSPECT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Codec:
+    name: str
+    local: tuple[str, ...] | None  # compressor argv reading stdin, writing stdout; None: raw
+    remote: tuple[str, ...]  # what the node runs with the stream on its stdin
+
+
+def codec_for(name: str) -> Codec:
+    """The argv pair for a codec name (pure but for looking up pigz)."""
+    if name == "none":
+        return Codec("none", None, ("docker", "load"))
+    if name == "gzip":
+        # pigz: the same format on every core; docker load detects gzip and decompresses itself.
+        tool = "pigz" if shutil.which("pigz") else "gzip"
+        return Codec("gzip", (tool, "-1", "-c"), ("docker", "load"))
+    if name == "zstd":
+        # Level 1 with all cores: on 2 cores it keeps ahead of what the SSH layer can carry.
+        # The node's pipeline exits with docker load's status; a truncated stream fails there.
+        return Codec("zstd", ("zstd", "-1", "-T0", "-q", "-c"), ("sh", "-c", "zstd -dcq | docker load"))
+    raise InputError(f"unknown codec '{name}'", fix="use one of: auto, zstd, gzip, none")
+
+
+@dataclass
+class HostOutcome:
+    host: str
+    status: str  # present (skipped) | loaded | failed
+    detail: str = ""
+    image_id: str | None = None
+    bytes_sent: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("present", "loaded")
+
+    def to_dict(self) -> dict:
+        return {
+            "host": self.host,
+            "status": self.status,
+            "ok": self.ok,
+            "image_id": self.image_id,
+            "bytes_sent": self.bytes_sent,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class DistributeResult:
+    image: str
+    image_id: str
+    codec: str | None
+    hosts: dict[str, HostOutcome]
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(outcome.ok for outcome in self.hosts.values())
+
+    @property
+    def failed(self) -> dict[str, HostOutcome]:
+        return {host: outcome for host, outcome in self.hosts.items() if not outcome.ok}
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "image": self.image,
+            "image_id": self.image_id,
+            "codec": self.codec,
+            "raw_bytes": self.raw_bytes,
+            "wire_bytes": self.wire_bytes,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "hosts": [outcome.to_dict() for outcome in self.hosts.values()],
+        }
+
+    def raise_on_failure(self) -> DistributeResult:
+        if self.failed:
+            lines = [f"{host}: {outcome.detail}" for host, outcome in self.failed.items()]
+            raise RemoteError(
+                f"image {self.image} ({self.image_id[:19]}) did not reach {len(lines)} node(s):\n" + "\n".join(lines),
+                fix="fix the node(s) named, then rerun: nodes that have the image are skipped",
+            )
+        return self
+
+
+@dataclass
+class Progress:
+    """Live numbers for a view: bytes each node has taken, the raw bytes saved, elapsed."""
+
+    expected_raw: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    sent: dict[str, int] = field(default_factory=dict)
+    state: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class _Pipe:
+    """One node's end of the tee: a bounded queue the tee fills and that node's SSH writer drains.
+
+    It is the ``stdin`` file object handed to ``Connection.run``: ``read`` returns the next bytes,
+    or ``b""`` once the stream ended (or the node was dropped, so its ``docker load`` sees a
+    truncated stream and fails instead of loading half an image).
+    """
+
+    def __init__(self, host: str, depth: int = 32) -> None:
+        self.host = host
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._buffer = memoryview(b"")
+        self.sent = 0
+        self.dead = threading.Event()
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._buffer:
+            if self.dead.is_set():
+                return b""
+            chunk = self._queue.get()
+            if chunk is None:
+                return b""
+            self._buffer = memoryview(chunk)
+        size = len(self._buffer) if size is None or size < 0 else size
+        out, self._buffer = self._buffer[:size], self._buffer[size:]
+        self.sent += len(out)
+        return bytes(out)
+
+    def put(self, chunk: bytes | None, stall_timeout: float) -> bool:
+        """Queue a chunk (None: end of stream); False if the node is gone or took nothing for too long."""
+        deadline = time.monotonic() + stall_timeout
+        while not self.dead.is_set():
+            try:
+                self._queue.put(chunk, timeout=0.5)
+                return True
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    return False
+        return False
+
+    def drop(self) -> None:
+        self.dead.set()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)  # wake a reader blocked on an empty queue
+
+
+class _Source:
+    """``docker save`` of the image through the SDK, compressed by a local codec process if any."""
+
+    def __init__(self, client, name: str, codec: Codec) -> None:
+        self.raw_bytes = 0
+        self._stream = client.api.get_image(name, chunk_size=CHUNK)
+        self._proc = None
+        self._error: BaseException | None = None
+        self._pump = None
+        if codec.local:
+            self._proc = subprocess.Popen(list(codec.local), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self._pump = threading.Thread(target=self._feed, daemon=True)
+            self._pump.start()
+
+    def _feed(self) -> None:
+        try:
+            for chunk in self._stream:
+                self.raw_bytes += len(chunk)
+                self._proc.stdin.write(chunk)
+        except BaseException as exc:  # re-raised in chunks()
+            self._error = exc
+        finally:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+
+    def chunks(self) -> Iterable[bytes]:
+        if self._proc is None:
+            for chunk in self._stream:
+                self.raw_bytes += len(chunk)
+                yield chunk
+            return
+        while True:
+            chunk = self._proc.stdout.read1(CHUNK)
+            if not chunk:
+                break
+            yield chunk
+        code = self._proc.wait()
+        if self._error is not None:
+            raise RuntimeFailure(f"docker save failed: {self._error}")
+        if code != 0:
+            raise RuntimeFailure(f"the local compressor {self._proc.args[0]} exited {code}")
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        with contextlib.suppress(Exception):
+            self._stream.close()
+
+
+def local_image(client, image: str):
+    import docker.errors
+
+    try:
+        return client.images.get(image)
+    except docker.errors.ImageNotFound:
+        raise InputError(
+            f"image {image} is not in the local Docker daemon",
+            fix="build it first (dzctl build --tag ...) or docker pull it here",
+        ) from None
+
+
+def _save_name(image: str, found) -> str:
+    """Save by name when we can: the tarball then carries the tag, so nodes get it too."""
+    if image in (found.tags or []):
+        return image
+    return found.tags[0] if found.tags else found.id
+
+
+def _no_such_image(result) -> bool:
+    return "no such image" in (result.stderr + result.stdout).lower()
+
+
+def check_hosts(pool, hosts: list[str], image_id: str) -> dict[str, str | Exception]:
+    """Per host: its ID for ``image_id`` ("" when absent) or the exception that stopped the check."""
+    argv = ["docker", "image", "inspect", "--format", "{{.Id}}", image_id]
+    found: dict[str, str | Exception] = {}
+    for host, outcome in pool.run_all(argv, timeout=INSPECT_TIMEOUT, hosts=hosts).items():
+        if isinstance(outcome, BaseException):
+            found[host] = outcome
+        elif outcome.ok:
+            found[host] = outcome.stdout.strip()
+        elif _no_such_image(outcome):
+            found[host] = ""
+        else:
+            tail = (outcome.stderr or outcome.stdout).strip()[-500:]
+            found[host] = RemoteError(f"{host}: docker image inspect failed ({outcome.exit_code}): {tail}")
+    return found
+
+
+def choose_codec(requested: str, pool, hosts: list[str]) -> Codec:
+    """``auto``: zstd if this machine and every receiving node have it, else gzip (no node tool needed)."""
+    if requested != "auto":
+        codec = codec_for(requested)
+    elif shutil.which("zstd") is None:
+        codec = codec_for("gzip")
+    else:
+        has = pool.run_all(["sh", "-c", "command -v zstd"], timeout=INSPECT_TIMEOUT, hosts=hosts)
+        every = all(not isinstance(v, BaseException) and v.ok for v in has.values())
+        codec = codec_for("zstd" if every else "gzip")
+    if codec.local and shutil.which(codec.local[0]) is None:
+        raise InputError(
+            f"codec {codec.name} needs `{codec.local[0]}` on this machine", fix="install it or --codec none"
+        )
+    return codec
+
+
+def distribute_image(
+    image: str,
+    nodes: Iterable,
+    pool,
+    *,
+    client=None,
+    codec: str = "auto",
+    on_progress: ProgressCallback | None = None,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+) -> DistributeResult:
+    """Make every node hold ``image`` under the same ID; return each node's outcome.
+
+    ``nodes``: hostfile ``Node`` objects or host names. ``pool``: an ``ssh.HostPool`` over them.
+    ``client``: a local docker SDK client (default: from the environment).
+    """
+    from .image import docker_client
+
+    started = time.monotonic()
+    hosts = list(dict.fromkeys(getattr(node, "host", node) for node in nodes))
+    client = client or docker_client()
+    found_image = local_image(client, image)
+    image_id = found_image.id
+    outcomes: dict[str, HostOutcome] = {}
+    needing: list[str] = []
+    for host, state in check_hosts(pool, hosts, image_id).items():
+        if isinstance(state, BaseException):
+            outcomes[host] = HostOutcome(host, "failed", str(state))
+        elif state == image_id:
+            outcomes[host] = HostOutcome(host, "present", "already had it", image_id)
+        else:
+            needing.append(host)
+    if needing:
+        _ensure_present_tag(pool, [h for h, o in outcomes.items() if o.status == "present"], image, image_id)
+    else:
+        _ensure_present_tag(pool, list(outcomes), image, image_id)
+        return DistributeResult(image, image_id, None, outcomes, elapsed_s=time.monotonic() - started)
+
+    chosen = choose_codec(codec, pool, needing)
+    progress = Progress(expected_raw=int(found_image.attrs.get("Size") or 0))
+    sent, wire, raw = _stream_to(client, _save_name(image, found_image), chosen, pool, needing, progress,
+                                 on_progress, stall_timeout, outcomes)  # fmt: skip
+    loaded = [h for h in needing if outcomes[h].status == "loaded"]
+    for host, state in check_hosts(pool, loaded, image_id).items():
+        outcome = outcomes[host]
+        outcome.bytes_sent = sent[host]
+        if isinstance(state, BaseException):
+            outcome.status, outcome.detail = "failed", f"loaded, but the check afterwards failed: {state}"
+        elif state != image_id:
+            outcome.status = "failed"
+            outcome.detail = f"after docker load the node has {state or 'no image'} for {image}, not {image_id}"
+        else:
+            outcome.image_id = state
+    for host in needing:
+        outcomes[host].bytes_sent = sent[host]
+    ordered = {host: outcomes[host] for host in hosts}
+    return DistributeResult(image, image_id, chosen.name, ordered, raw, wire, time.monotonic() - started)
+
+
+def _ensure_present_tag(pool, hosts: list[str], image: str, image_id: str) -> None:
+    """A node may hold the ID under another name: give it this name too (cheap, idempotent)."""
+    if hosts and not image.startswith("sha256:") and image != image_id:
+        pool.run_all(["docker", "tag", image_id, image], timeout=INSPECT_TIMEOUT, hosts=hosts)
+
+
+def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_timeout, outcomes):
+    """Save once, tee to every host's load; fill ``outcomes`` for ``hosts``; return bytes per host, wire, raw."""
+    pipes = {host: _Pipe(host) for host in hosts}
+    connections = {}
+    for host in hosts:
+        progress.state[host] = "sending"
+        progress.sent[host] = 0
+
+    def load(host: str):
+        started = time.monotonic()
+        try:
+            connections[host] = conn = pool.connection(host)
+            result = conn.run(list(codec.remote), stdin=pipes[host])
+        except Exception as exc:  # every host's failure is data
+            return host, exc, time.monotonic() - started
+        finally:
+            pipes[host].drop()
+        return host, result, time.monotonic() - started
+
+    source = _Source(client, name, codec)
+    wire = 0
+    failure: BaseException | None = None
+    with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="dzctl-load") as executor:
+        futures = [executor.submit(load, host) for host in hosts]
+        live = dict(pipes)
+        try:
+            for chunk in source.chunks():
+                wire += len(chunk)
+                for host, pipe in list(live.items()):
+                    if not pipe.put(chunk, stall_timeout):
+                        _drop(host, pipe, live, connections, progress, stall_timeout)
+                if not live:
+                    break  # every node failed: stop saving
+                _report(progress, pipes, source, wire, on_progress)
+        except Exception as exc:  # docker save or the compressor failed: every node fails
+            failure = exc
+        finally:
+            for pipe in live.values():
+                if failure is None:
+                    pipe.put(None, stall_timeout)
+                else:
+                    pipe.drop()
+            source.close()
+        results = [future.result() for future in futures]
+    for host, result, elapsed in results:
+        outcome = outcomes[host] = HostOutcome(host, "loaded", "", None, pipes[host].sent, elapsed)
+        if failure is not None:
+            outcome.status, outcome.detail = "failed", f"the local image stream failed: {failure}"
+        elif isinstance(result, BaseException):
+            outcome.status, outcome.detail = "failed", str(result)
+        elif result.exit_code == -1:
+            # paramiko's status when the channel closed without an exit status: the link died.
+            outcome.status = "failed"
+            outcome.detail = f"SSH connection lost mid-transfer after {pipes[host].sent / 1e6:,.0f} MB"
+        elif not result.ok:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+            outcome.status = "failed"
+            outcome.detail = f"`{' '.join(codec.remote)}` exited {result.exit_code}: {' / '.join(tail)}"
+        elif progress.state.get(host) == "stalled":
+            outcome.status, outcome.detail = "failed", f"took no data for {stall_timeout:g} s"
+        else:
+            outcome.detail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "loaded"
+        progress.state[host] = outcome.status
+    _report(progress, pipes, source, wire, on_progress)
+    return {host: pipe.sent for host, pipe in pipes.items()}, wire, source.raw_bytes
+
+
+def _drop(host, pipe, live, connections, progress, stall_timeout) -> None:
+    del live[host]
+    if not pipe.dead.is_set():
+        # It stopped reading without failing: close its connection so its writer thread wakes up.
+        progress.state[host] = "stalled"
+        conn = connections.get(host)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+    pipe.drop()
+
+
+def _report(progress: Progress, pipes, source, wire: int, on_progress) -> None:
+    progress.raw_bytes = source.raw_bytes
+    progress.wire_bytes = wire
+    for host, pipe in pipes.items():
+        progress.sent[host] = pipe.sent
+        if pipe.dead.is_set() and progress.state.get(host) == "sending":
+            progress.state[host] = "ended"
+    if on_progress:
+        on_progress(progress)
+
+
+def distribute_via_registry(image: str, nodes: Iterable, pool, registry: str, *, client=None) -> DistributeResult:
+    """The alternative where a registry exists: push once here, every node pulls, IDs checked."""
+    from .image import docker_client
+
+    started = time.monotonic()
+    hosts = list(dict.fromkeys(getattr(node, "host", node) for node in nodes))
+    client = client or docker_client()
+    found = local_image(client, image)
+    remote = push_to_registry(client, _save_name(image, found), registry)
+    outcomes: dict[str, HostOutcome] = {}
+    pulled = pool.run_all(["docker", "pull", remote], hosts=hosts)
+    for host, result in pulled.items():
+        if isinstance(result, BaseException):
+            outcomes[host] = HostOutcome(host, "failed", str(result))
+        elif not result.ok:
+            outcomes[host] = HostOutcome(host, "failed", f"docker pull {remote}: {result.stderr.strip()[-300:]}")
+        else:
+            outcomes[host] = HostOutcome(host, "loaded", f"pulled {remote}")
+    ok_hosts = [h for h, o in outcomes.items() if o.ok]
+    for host, state in check_hosts(pool, ok_hosts, found.id).items():
+        if state != found.id:
+            outcomes[host].status = "failed"
+            outcomes[host].detail = f"pulled {remote} but its ID is {state or 'missing'}, not {found.id}"
+        else:
+            outcomes[host].image_id = state
+    _ensure_present_tag(pool, [h for h, o in outcomes.items() if o.ok], image, found.id)
+    return DistributeResult(image, found.id, "registry", outcomes, elapsed_s=time.monotonic() - started)
+
+
+def push_to_registry(client, name: str, registry: str, on_line: Callable[[str], None] | None = None) -> str:
+    """Tag ``name`` as ``REGISTRY/<repo>:<tag>`` and push it; return that reference."""
+    repository, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
+    remote_repo = f"{registry.rstrip('/')}/{repository.split('/')[-1]}"
+    client.api.tag(name, remote_repo, tag)
+    for chunk in client.api.push(remote_repo, tag, stream=True, decode=True):
+        if "error" in chunk:
+            raise RuntimeFailure(f"push to {remote_repo}:{tag} failed: {chunk['error']}")
+        if on_line and chunk.get("status"):
+            on_line(f"{chunk.get('id', '')} {chunk['status']} {chunk.get('progress', '')}".strip())
+    return f"{remote_repo}:{tag}"

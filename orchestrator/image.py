@@ -1,0 +1,405 @@
+"""Building dzctl's image: the only module that drives ``docker build`` (through the docker SDK).
+
+A build is two passes over ``docker/Dockerfile``:
+1. build the image (live progress: steps, layers, elapsed);
+2. run the image's probe (``docker/probe.py``) to read the versions actually inside it, then build
+   again with those versions as ``dzctl.*`` labels. Every step of pass 2 is a cache hit: it only
+   adds the labels. Labels are fixed at build time and preflight trusts them, so they are measured
+   from the image rather than copied from the build args that were asked for.
+
+The build context is a tarball made here: the repository filtered by ``.dockerignore`` plus, under
+``docker/context/``, the ``--wheelhouse`` files and the ``--ca-bundle`` (the checkout is never
+modified). Pure parts (build args, context file list, label set, progress parsing) are separate
+from the calls that talk to the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import re
+import tarfile
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import InputError, RuntimeFailure
+
+DOCKERFILE = "docker/Dockerfile"
+PROBE_ARGV = ("python", "/usr/local/lib/dzctl/probe.py")
+PROBE_MARK = "DZCTL_PROBE "
+LABEL_PREFIX = "dzctl."
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the classic builder colours RUN stderr
+VERSION_LABELS = ("cuda", "torch", "deepspeed", "nccl", "transformers", "version")
+
+# The build args of each flavour. The CUDA set equals the Dockerfile's ARG defaults (a test holds
+# them together), so a plain `docker build -f docker/Dockerfile .` makes the CUDA flavour too.
+FLAVOURS: dict[str, dict[str, str]] = {
+    "cuda": {
+        "BASE_IMAGE": "nvidia/cuda:13.0.2-devel-ubuntu24.04",
+        "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu130",
+        "DS_ACCELERATOR": "cuda",
+        "TORCH_CUDA_ARCH_LIST": "8.0;9.0",
+        "DS_BUILD_OPS_LIST": "CPU_ADAM FUSED_ADAM UTILS AIO",
+        "EXTRA_SYSTEM_PACKAGES": "libibverbs1 ibverbs-providers rdma-core libaio-dev",
+    },
+    "cpu": {
+        "BASE_IMAGE": "debian:bookworm-slim",
+        "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
+        "DS_ACCELERATOR": "cpu",
+        # No GPU architectures and no prebuilt CUDA ops; the CPU accelerator's shm op is
+        # compiled during the build instead (docker/install-python.sh).
+        "TORCH_CUDA_ARCH_LIST": "",
+        "DS_BUILD_OPS_LIST": "",
+        "EXTRA_SYSTEM_PACKAGES": "",
+    },
+}
+
+
+class BuildFailed(RuntimeFailure):
+    """The daemon reported an error in a build step."""
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    flavour: str = "cuda"
+    tag: str | None = None
+    base_image: str | None = None
+    wheelhouse: Path | None = None
+    ca_bundle: Path | None = None
+    offline: bool = False
+    target: str | None = None  # a Dockerfile stage; such a build is not probed or labelled
+    extra_args: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def image_tag(self) -> str:
+        return self.tag or default_tag(self.flavour)
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    id: str
+    tag: str
+    labels: dict[str, str]
+    versions: dict[str, str]
+    elapsed_s: float
+    digest: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "image_id": self.id,
+            "tag": self.tag,
+            "digest": self.digest,
+            "versions": self.versions,
+            "labels": self.labels,
+            "elapsed_s": round(self.elapsed_s, 1),
+        }
+
+
+def default_tag(flavour: str) -> str:
+    return f"dzctl:{__version__}-{flavour}"
+
+
+def build_args(request: BuildRequest) -> dict[str, str]:
+    """The ``--build-arg`` set for a request (pure)."""
+    if request.flavour not in FLAVOURS:
+        raise InputError(f"unknown flavour '{request.flavour}'", fix=f"use one of: {', '.join(FLAVOURS)}")
+    args = dict(FLAVOURS[request.flavour])
+    if request.base_image:
+        args["BASE_IMAGE"] = request.base_image
+    args["PIP_OFFLINE"] = "1" if request.offline else "0"
+    args.update(request.extra_args)
+    return args
+
+
+def labels_for(versions: dict[str, str], build_time: str) -> dict[str, str]:
+    """The ``dzctl.*`` labels from a probe's versions (pure)."""
+    missing = [key for key in VERSION_LABELS if not versions.get(key)]
+    if missing:
+        raise RuntimeFailure(f"the image probe did not report: {', '.join(missing)}")
+    labels = {f"{LABEL_PREFIX}{key}": str(versions[key]) for key in VERSION_LABELS}
+    labels[f"{LABEL_PREFIX}build-time"] = build_time
+    return labels
+
+
+def parse_probe(output: str) -> dict[str, str]:
+    """The versions from the probe's stdout; libraries may print around the marked line."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(PROBE_MARK):
+            return json.loads(line[len(PROBE_MARK) :])
+    tail = "\n".join(output.splitlines()[-10:])
+    raise RuntimeFailure(f"the image probe printed no versions:\n{tail}")
+
+
+# --- build context -------------------------------------------------------------------------------
+
+
+def read_dockerignore(root: Path) -> list[str]:
+    path = root / ".dockerignore"
+    if not path.exists():
+        return []
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _matches(rel: str, pattern: str) -> bool:
+    pattern = pattern.rstrip("/")
+    if pattern == "**":
+        return True
+    if fnmatch.fnmatchcase(rel, pattern):
+        return True
+    if pattern.startswith("**/"):
+        tail = pattern[3:]
+        return any(fnmatch.fnmatchcase("/".join(rel.split("/")[i:]), tail) for i in range(len(rel.split("/"))))
+    return False
+
+
+def is_ignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last matching pattern wins; ``!`` re-includes; a match of a parent counts."""
+    parts = rel.split("/")
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        body = pattern[1:] if negate else pattern
+        if any(_matches("/".join(parts[: i + 1]), body) for i in range(len(parts))):
+            ignored = not negate
+    return ignored
+
+
+def _prunable(rel_dir: str, patterns: list[str]) -> bool:
+    if rel_dir == ".git" or rel_dir.endswith("/.git"):
+        return True
+    if not is_ignored(rel_dir, patterns):
+        return False
+    for pattern in patterns:
+        if pattern.startswith("!"):
+            literal = re.split(r"[*?\[]", pattern[1:], maxsplit=1)[0]
+            if not literal or literal.startswith(f"{rel_dir}/"):
+                return False  # a wildcard-led or inside-this-folder re-include
+    return True
+
+
+def context_files(root: Path, patterns: list[str]) -> list[str]:
+    """Repository files (relative, sorted) that go into the build context (pure but for the walk)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        prefix = "" if rel_dir == "." else f"{rel_dir}/"
+        # Prune ignored folders (.venv, .git: hundreds of thousands of files) unless a `!` pattern
+        # could re-include something inside them.
+        dirnames[:] = sorted(d for d in dirnames if not _prunable(f"{prefix}{d}", patterns))
+        for name in filenames:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if not is_ignored(rel, patterns):
+                found.append(rel)
+    return sorted(found)
+
+
+def _check_input_file(path: Path, option: str, want_dir: bool) -> None:
+    if want_dir and not path.is_dir():
+        raise InputError(f"{option} {path}: not a directory", fix=f"give {option} a folder of .whl files")
+    if not want_dir and not path.is_file():
+        raise InputError(f"{option} {path}: no such file", fix=f"give {option} a PEM certificate bundle")
+
+
+def write_context(root: Path, request: BuildRequest, out) -> None:
+    """Write the build-context tarball for ``request`` into the binary file ``out``."""
+    if request.wheelhouse:
+        _check_input_file(request.wheelhouse, "--wheelhouse", want_dir=True)
+    if request.ca_bundle:
+        _check_input_file(request.ca_bundle, "--ca-bundle", want_dir=False)
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for rel in context_files(root, read_dockerignore(root)):
+            tar.add(root / rel, arcname=rel, recursive=False)
+        if request.wheelhouse:
+            for entry in sorted(request.wheelhouse.iterdir()):
+                if entry.is_file():
+                    tar.add(entry, arcname=f"docker/context/wheelhouse/{entry.name}")
+        if request.ca_bundle:
+            tar.add(request.ca_bundle, arcname="docker/context/ca-bundle.crt")
+
+
+def repo_root() -> Path:
+    """The folder holding ``docker/Dockerfile``: this checkout (dzctl builds from its own source)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / DOCKERFILE).is_file():
+        raise InputError(
+            f"{root / DOCKERFILE} not found: dzctl build needs a source checkout of dzctl",
+            fix="run dzctl build from a git clone of dzctl (pip installs carry no Dockerfile)",
+        )
+    return root
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildProgress:
+    """Folds the daemon's JSON stream into steps; keeps each step's last lines for error reports."""
+
+    on_update: Callable[[BuildProgress], None] | None = None
+    step: str = ""
+    step_index: int = 0
+    step_count: int = 0
+    cached_steps: int = 0
+    image_id: str | None = None
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    step_started: float = field(default_factory=time.monotonic)
+    tail: deque = field(default_factory=lambda: deque(maxlen=25))
+
+    def feed(self, chunk: dict) -> None:
+        if "aux" in chunk and isinstance(chunk["aux"], dict) and "ID" in chunk["aux"]:
+            self.image_id = chunk["aux"]["ID"]
+        if "error" in chunk:
+            detail = chunk.get("errorDetail") or {}
+            self.error = detail.get("message") or chunk["error"]
+        for line in str(chunk.get("stream", "")).splitlines():
+            self._line(line.rstrip())
+        if self.on_update:
+            self.on_update(self)
+
+    def _line(self, line: str) -> None:
+        line = ANSI_ESCAPE.sub("", line)
+        if not line:
+            return
+        if line.startswith("Step ") and " : " in line:
+            head, _, instruction = line.partition(" : ")
+            number, _, total = head[5:].partition("/")
+            if number.isdigit() and total.isdigit():
+                self.step_index, self.step_count = int(number), int(total)
+                self.step = instruction
+                self.step_started = time.monotonic()
+                self.tail.clear()
+                return
+        if line.strip() == "---> Using cache":
+            self.cached_steps += 1
+        self.tail.append(line)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def describe(self) -> str:
+        if not self.step_count:
+            return "sending context"
+        return f"step {self.step_index}/{self.step_count}: {self.step}"
+
+
+def run_build(client, context_file, request: BuildRequest, labels: dict[str, str] | None, progress: BuildProgress):
+    """One ``docker build`` through the SDK; returns the image ID or raises ``BuildFailed``."""
+    context_file.seek(0)
+    stream = client.api.build(
+        fileobj=context_file,
+        custom_context=True,
+        dockerfile=DOCKERFILE,
+        tag=request.image_tag,
+        buildargs=build_args(request),
+        target=request.target,
+        labels=labels,
+        # Host networking: these machines reach PyPI only from the host namespace, and no bridge
+        # is set up for builds (containers always run --network host anyway).
+        network_mode="host",
+        rm=True,
+        forcerm=True,
+        pull=False,
+        decode=True,
+    )
+    for chunk in stream:
+        progress.feed(chunk)
+    if progress.error:
+        lines = "\n".join(f"  | {line}" for line in progress.tail)
+        raise BuildFailed(
+            f"build failed at {progress.describe()}\n{lines}\n{progress.error}",
+            fix="fix the failing step above; rerun with the same options (finished steps are cached)",
+        )
+    if not progress.image_id:
+        image = client.images.get(request.image_tag)
+        progress.image_id = image.id
+    return progress.image_id
+
+
+def probe_versions(client, image_id: str) -> dict[str, str]:
+    """Run the image's probe and return the versions it reports."""
+    import docker.errors
+
+    try:
+        out = client.containers.run(image_id, list(PROBE_ARGV), network_mode="host", remove=True, stderr=True)
+    except docker.errors.ContainerError as exc:
+        detail = exc.stderr.decode(errors="replace") if exc.stderr else str(exc)
+        raise RuntimeFailure(f"the image probe failed in {image_id[:19]}:\n{detail[-2000:]}") from None
+    return parse_probe(out.decode(errors="replace"))
+
+
+def docker_client(timeout: int = 3600):
+    """A docker SDK client for ``DOCKER_HOST`` (or the default socket), or a clear error."""
+    import docker.errors
+
+    import docker
+
+    try:
+        client = docker.from_env(version="auto", timeout=timeout)
+        client.ping()
+        return client
+    except docker.errors.DockerException as exc:
+        raise RuntimeFailure(
+            f"cannot reach the Docker daemon ({os.environ.get('DOCKER_HOST', 'unix:///var/run/docker.sock')}): {exc}",
+            fix="start dockerd, or point DOCKER_HOST at a running one",
+        ) from None
+
+
+@contextlib.contextmanager
+def build_context(request: BuildRequest, root: Path | None = None) -> Iterator:
+    """A temporary context tarball (it may hold a multi-GB wheelhouse: on disk, not in memory)."""
+    with tempfile.TemporaryFile(prefix="dzctl-context-") as context_file:
+        write_context(root or repo_root(), request, context_file)
+        yield context_file
+
+
+def build_image(
+    request: BuildRequest, client=None, progress: BuildProgress | None = None, root: Path | None = None
+) -> BuiltImage:
+    """Build, probe and label the image; return its ID, labels and versions."""
+    client = client or docker_client()
+    progress = progress or BuildProgress()
+    with build_context(request, root) as context_file:
+        image_id = run_build(client, context_file, request, None, progress)
+        if request.target:
+            return BuiltImage(image_id, request.image_tag, {}, {}, progress.elapsed_s)
+        build_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        versions = probe_versions(client, image_id)
+        labels = labels_for(versions, build_time)
+        progress.step, progress.step_index, progress.step_count = "labelling", 0, 0
+        image_id = run_build(client, context_file, request, labels, progress)
+    return BuiltImage(image_id, request.image_tag, labels, versions, progress.elapsed_s)
+
+
+def push_image(client, image: BuiltImage, registry: str, on_line: Callable[[str], None] | None = None) -> BuiltImage:
+    """Tag the image under ``registry`` and push it; return it with the registry's digest."""
+    name, _, tag = image.tag.rpartition(":")
+    remote = f"{registry.rstrip('/')}/{name.split('/')[-1]}"
+    client.api.tag(image.id, remote, tag)
+    digest = None
+    for chunk in client.api.push(remote, tag, stream=True, decode=True):
+        if "error" in chunk:
+            raise RuntimeFailure(f"push to {remote}:{tag} failed: {chunk['error']}")
+        aux = chunk.get("aux") or {}
+        digest = aux.get("Digest", digest)
+        if on_line and chunk.get("status"):
+            on_line(f"{chunk.get('id', '')} {chunk['status']} {chunk.get('progress', '')}".strip())
+    return BuiltImage(image.id, f"{remote}:{tag}", image.labels, image.versions, image.elapsed_s, digest)
+
+
+def image_labels(client, image: str) -> dict[str, str]:
+    return dict(client.images.get(image).labels or {})
+
+
+def iter_versions(labels: dict[str, str]) -> Iterable[tuple[str, str]]:
+    for key in (*VERSION_LABELS, "build-time"):
+        yield key, labels.get(f"{LABEL_PREFIX}{key}", "?")

@@ -1,0 +1,154 @@
+"""dzctl distribute: same image ID on every node, skip nodes that have it, survive a node lost mid-way.
+
+Real parts only: the image comes from a dockerd on this machine's root namespace; the nodes are
+test hosts (network namespaces) each with its own sshd and dockerd (tests/testhosts.py). The image
+sent is the local Debian base (~470 MB): big enough to cut a transfer half-way, small enough for CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import docker
+from orchestrator.distribute import _Pipe, codec_for, distribute_image
+from orchestrator.ssh import HostPool
+
+# -- pure parts -----------------------------------------------------------------------------------
+
+
+def test_codecs_argv():
+    assert codec_for("none").local is None and codec_for("none").remote == ("docker", "load")
+    # docker load decompresses gzip itself: the node needs no extra tool.
+    assert codec_for("gzip").remote == ("docker", "load")
+    assert codec_for("gzip").local[0] in ("pigz", "gzip")
+    assert codec_for("zstd").local[0] == "zstd"
+    assert codec_for("zstd").remote == ("sh", "-c", "zstd -dcq | docker load")
+
+
+def test_pipe_reads_what_was_put_then_eof():
+    pipe = _Pipe("n", depth=4)
+    assert pipe.put(b"abcdef", 1) and pipe.put(b"gh", 1) and pipe.put(None, 1)
+    assert pipe.read(4) == b"abcd"
+    assert pipe.read(100) == b"ef"
+    assert pipe.read(100) == b"gh"
+    assert pipe.read(100) == b""
+    assert pipe.sent == 8
+
+
+def test_pipe_stalled_reader_times_out_and_dropped_pipe_ends():
+    pipe = _Pipe("n", depth=1)
+    assert pipe.put(b"x", 0.1)
+    started = time.monotonic()
+    assert not pipe.put(b"y", 0.3)  # nobody reads: the tee gives up on this node
+    assert time.monotonic() - started >= 0.3
+    pipe.drop()
+    assert not pipe.put(b"z", 5)  # a dropped node never blocks the tee
+    assert pipe.read(10) == b""  # a dropped node's reader sees the end at once, never blocks
+
+
+# -- real hosts -----------------------------------------------------------------------------------
+
+
+def host_image_id(cluster, host, ref: str) -> str | None:
+    """The node's ID for ``ref``, asked of its own dockerd directly (not through dzctl)."""
+    done = cluster.run_in(host, ["docker", "image", "inspect", "--format", "{{.Id}}", ref], check=False)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def dzctl(args: list[str], docker_url: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOCKER_HOST": docker_url}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.integration
+def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, base_image, tmp_path):
+    hosts = cluster(3, docker=True)
+    hostfile = hosts.write_hostfile(tmp_path / "hostfile", slots=1)
+    local_id = docker.DockerClient(base_url=local_docker_url, version="auto").images.get(base_image).id
+    # node1 already has it: it must be skipped and its image left alone.
+    seeded = subprocess.run(
+        f"docker -H {local_docker_url} save {base_image} | docker -H {hosts.hosts[1].docker_host} load",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
+    assert seeded.returncode == 0, seeded.stderr
+    args = ["distribute", base_image, "--hosts", str(hostfile), "--ssh-config", str(hosts.ssh_config), "--json"]
+
+    first = dzctl(args, local_docker_url)
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads(first.stdout)
+    assert report["ok"] and report["image_id"] == local_id
+    status = {h["host"]: h["status"] for h in report["hosts"]}
+    assert status == {"node0": "loaded", "node1": "present", "node2": "loaded"}
+    for host in hosts.hosts:
+        assert host_image_id(hosts, host, base_image) == local_id, host.name  # by tag, as loaded
+    # Saved once and sent whole to each loading node.
+    sent = {h["host"]: h["bytes_sent"] for h in report["hosts"]}
+    assert sent["node0"] == sent["node2"] == report["wire_bytes"] > 0
+    assert sent["node1"] == 0
+
+    started = time.monotonic()
+    second = dzctl(args, local_docker_url)
+    elapsed = time.monotonic() - started
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = json.loads(second.stdout)
+    assert {h["status"] for h in again["hosts"]} == {"present"}
+    assert again["wire_bytes"] == 0
+    assert elapsed < 3.0, f"a no-op distribute took {elapsed:.1f} s"
+
+
+def _session_sshd_pids(cluster, host) -> list[int]:
+    """sshd processes serving connections to this host (not its listener)."""
+    out = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, out):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("sshd") and pid != host.sshd_pid:
+            pids.append(pid)
+    return pids
+
+
+@pytest.mark.integration
+def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_docker_url, base_image):
+    hosts = cluster(3, docker=True)
+    victim = hosts.hosts[1]
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
+    local_id = client.images.get(base_image).id
+    killed: list[int] = []
+
+    def on_progress(progress):
+        # Cut node1's SSH connection once it has taken 40 MB: mid-transfer, well before the end.
+        if not killed and progress.sent.get(victim.name, 0) > 40_000_000:
+            killed.extend(_session_sshd_pids(hosts, victim))
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+
+    with HostPool([h.name for h in hosts.hosts], ssh_config=hosts.ssh_config) as pool:
+        result = distribute_image(
+            base_image, [h.name for h in hosts.hosts], pool, client=client, codec="none", on_progress=on_progress
+        )
+    assert killed, "the victim's session was never found"
+    assert not result.ok
+    outcome = {name: o for name, o in result.hosts.items()}
+    assert outcome["node1"].status == "failed"
+    assert "connection" in outcome["node1"].detail.lower()
+    assert 40_000_000 < outcome["node1"].bytes_sent < result.wire_bytes
+    for name in ("node0", "node2"):
+        assert outcome[name].status == "loaded", outcome[name].detail
+        assert outcome[name].bytes_sent == result.wire_bytes
+        assert host_image_id(hosts, hosts.host(name), base_image) == local_id
+    assert host_image_id(hosts, victim, local_id) is None  # no half image on the failed node

@@ -1,0 +1,302 @@
+"""dzctl build: the Dockerfile's flavours, the build context, progress/failure reporting, and real builds.
+
+Integration tests build with a real dockerd on this machine's root namespace, on a Debian base made
+locally with debootstrap (no registry can be reached here); see tests/baseimage.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from orchestrator.image import (
+    DOCKERFILE,
+    FLAVOURS,
+    BuildProgress,
+    BuildRequest,
+    build_args,
+    context_files,
+    is_ignored,
+    labels_for,
+    parse_probe,
+    read_dockerignore,
+    write_context,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dockerfile_args() -> dict[str, str]:
+    """``ARG NAME=default`` lines of the Dockerfile (later stages repeat some: first value wins)."""
+    found: dict[str, str] = {}
+    for line in (ROOT / DOCKERFILE).read_text().splitlines():
+        match = re.match(r'^ARG (\w+)=(?:"([^"]*)"|(\S*))\s*$', line)
+        if match:
+            found.setdefault(match.group(1), match.group(2) if match.group(2) is not None else match.group(3))
+    return found
+
+
+def dockerfile_stages() -> list[tuple[str, str]]:
+    return re.findall(r"^FROM (\S+) AS (\w+)$", (ROOT / DOCKERFILE).read_text(), flags=re.M)
+
+
+# -- the Dockerfile's variants (pure) -------------------------------------------------------------
+
+
+def test_cuda_flavour_is_the_dockerfile_default():
+    args = build_args(BuildRequest(flavour="cuda"))
+    defaults = dockerfile_args()
+    for name, value in FLAVOURS["cuda"].items():
+        assert defaults[name] == value, name
+    assert args == {**FLAVOURS["cuda"], "PIP_OFFLINE": "0"}
+
+
+def test_cuda_flavour_build_args():
+    args = build_args(BuildRequest(flavour="cuda"))
+    # A devel image: DeepSpeed compiles its ops against the CUDA toolkit.
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-devel-ubuntu\d\d\.\d\d", args["BASE_IMAGE"])
+    # torch built for the same CUDA major.minor as the base.
+    cuda = re.search(r"cuda:(\d+)\.(\d+)", args["BASE_IMAGE"]).groups()
+    assert args["TORCH_INDEX_URL"] == f"https://download.pytorch.org/whl/cu{cuda[0]}{cuda[1]}"
+    # A100 = 8.0, H100/H200 = 9.0; without a list DeepSpeed's op build crashes on '0a'.
+    assert args["TORCH_CUDA_ARCH_LIST"].split(";") == ["8.0", "9.0"]
+    assert set(args["DS_BUILD_OPS_LIST"].split()) >= {"CPU_ADAM", "FUSED_ADAM"}
+    assert set(args["EXTRA_SYSTEM_PACKAGES"].split()) >= {"libibverbs1", "ibverbs-providers", "rdma-core"}
+    assert args["DS_ACCELERATOR"] == "cuda"
+
+
+def test_cpu_flavour_build_args_and_overrides():
+    args = build_args(BuildRequest(flavour="cpu", base_image="debian:bookworm", offline=True))
+    assert args["BASE_IMAGE"] == "debian:bookworm"
+    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    assert args["DS_ACCELERATOR"] == "cpu"
+    assert args["TORCH_CUDA_ARCH_LIST"] == "" and args["DS_BUILD_OPS_LIST"] == ""
+    assert args["PIP_OFFLINE"] == "1"
+
+
+def test_dockerfile_stages_and_every_build_arg_declared():
+    assert [name for _, name in dockerfile_stages()] == ["system", "python", "final"]
+    declared = dockerfile_args()
+    for flavour in FLAVOURS:
+        assert set(build_args(BuildRequest(flavour=flavour))) <= set(declared), flavour
+
+
+def test_unknown_flavour_is_input_error():
+    from orchestrator.errors import InputError
+
+    with pytest.raises(InputError, match="unknown flavour 'rocm'"):
+        build_args(BuildRequest(flavour="rocm"))
+
+
+def test_labels_from_probe():
+    versions = {
+        "cuda": "13.0",
+        "torch": "2.13.0+cu130",
+        "deepspeed": "0.19.8",
+        "nccl": "2.28.9",
+        "transformers": "5.23.0",
+        "version": "0.1.0",
+    }
+    labels = labels_for(versions, "2026-11-30T01:00:00Z")
+    assert labels == {
+        "dzctl.cuda": "13.0",
+        "dzctl.torch": "2.13.0+cu130",
+        "dzctl.deepspeed": "0.19.8",
+        "dzctl.nccl": "2.28.9",
+        "dzctl.transformers": "5.23.0",
+        "dzctl.version": "0.1.0",
+        "dzctl.build-time": "2026-11-30T01:00:00Z",
+    }
+    from orchestrator.errors import RuntimeFailure
+
+    with pytest.raises(RuntimeFailure, match="did not report: nccl"):
+        labels_for({**versions, "nccl": ""}, "t")
+
+
+def test_parse_probe_skips_library_noise():
+    out = '[INFO] Setting ds_accelerator to cpu\nDZCTL_PROBE {"torch": "2.13.0+cpu"}\n'
+    assert parse_probe(out) == {"torch": "2.13.0+cpu"}
+
+
+# -- build context (pure) -------------------------------------------------------------------------
+
+
+def test_dockerignore_keeps_package_and_docker_only():
+    patterns = read_dockerignore(ROOT)
+    assert not is_ignored("orchestrator/image.py", patterns)
+    assert not is_ignored("docker/Dockerfile", patterns)
+    assert not is_ignored("pyproject.toml", patterns)
+    assert is_ignored(".venv/bin/python", patterns)
+    assert is_ignored("tests/test_image.py", patterns)
+    assert is_ignored("orchestrator/__pycache__/x.cpython-311.pyc", patterns)
+
+
+def test_context_carries_wheelhouse_and_ca_bundle(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").write_bytes(b"wheel")
+    ca = tmp_path / "proxy.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    expected = context_files(ROOT, read_dockerignore(ROOT))  # before: others may add files meanwhile
+    buffer = io.BytesIO()
+    write_context(ROOT, BuildRequest(flavour="cpu", wheelhouse=wheels, ca_bundle=ca), buffer)
+    buffer.seek(0)
+    with tarfile.open(fileobj=buffer) as tar:
+        names = tar.getnames()
+    assert "docker/context/wheelhouse/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl" in names
+    assert "docker/context/ca-bundle.crt" in names
+    assert DOCKERFILE in names and "orchestrator/image.py" in names
+    assert not [n for n in names if n.startswith((".venv/", ".git/", "tests/"))]
+    assert set(names) >= set(expected)
+
+
+def test_missing_wheelhouse_is_input_error(tmp_path):
+    from orchestrator.errors import InputError
+
+    with pytest.raises(InputError, match=r"--wheelhouse .*not a directory"):
+        write_context(ROOT, BuildRequest(wheelhouse=tmp_path / "nope"), io.BytesIO())
+
+
+def test_progress_folds_the_daemon_stream():
+    # The classic builder's stream, as dockerd 20.10 sends it (recorded from a real build here).
+    seen = []
+    progress = BuildProgress(on_update=lambda p: seen.append(p.describe()))
+    for chunk in [
+        {"stream": "Step 1/3 : FROM base AS system"},
+        {"stream": "\n"},
+        {"stream": " ---> 0b1a2c3d4e5f\n"},
+        {"stream": "Step 2/3 : RUN sh /usr/local/lib/dzctl/install-python.sh torch"},
+        {"stream": "\n"},
+        {"stream": " ---> Using cache\n"},
+        {"stream": "Step 3/3 : RUN false"},
+        {"stream": "\n ---> Running in 1234\n"},
+        {"stream": "\x1b[91mERROR: No matching distribution found for filelock\n\x1b[0m"},
+        {
+            "errorDetail": {"code": 1, "message": "The command '/bin/sh -c false' returned a non-zero code: 1"},
+            "error": "The command '/bin/sh -c false' returned a non-zero code: 1",
+        },
+    ]:
+        progress.feed(chunk)
+    assert progress.step_count == 3 and progress.step_index == 3
+    assert progress.cached_steps == 1
+    assert "ERROR: No matching distribution found for filelock" in progress.tail  # colour codes gone
+    assert progress.error.endswith("returned a non-zero code: 1")
+    assert "step 2/3: RUN sh /usr/local/lib/dzctl/install-python.sh torch" in seen
+
+
+# -- real builds ----------------------------------------------------------------------------------
+
+
+def dzctl(args: list[str], docker_url: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOCKER_HOST": docker_url}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def docker_cli(args: list[str], docker_url: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "-H", docker_url, *args], capture_output=True, text=True, timeout=timeout)
+
+
+CPU_TAG = "dzctl-test/cpu:latest"
+CUDA_SYSTEM_TAG = "dzctl-test/cuda:system"
+
+
+@pytest.fixture(scope="module")
+def cpu_image(local_docker_url, base_image):
+    """The CPU flavour, built by `dzctl build` from the local base; the torch wheel from a wheelhouse."""
+    from baseimage import torch_wheelhouse
+
+    args = ["build", "--flavour", "cpu", "--base-image", base_image, "--tag", CPU_TAG, "--json"]
+    args += ["--wheelhouse", str(torch_wheelhouse())]
+    if os.environ.get("PIP_CERT"):
+        # This machine reaches PyPI through a TLS-intercepting proxy whose CA pip must trust.
+        args += ["--ca-bundle", os.environ["PIP_CERT"]]
+    done = dzctl(args, local_docker_url)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
+    script = (
+        "import json, torch, deepspeed, transformers, orchestrator;"
+        "print(json.dumps({'torch': torch.__version__, 'deepspeed': deepspeed.__version__,"
+        " 'transformers': transformers.__version__, 'version': orchestrator.__version__,"
+        " 'cuda': torch.version.cuda or 'cpu'}))"
+    )
+    ran = docker_cli(["run", "--rm", "--network", "host", CPU_TAG, "python", "-c", script], local_docker_url)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    inside = json.loads(ran.stdout.strip().splitlines()[-1])
+    inspected = docker_cli(
+        ["image", "inspect", "--format", "{{json .Config.Labels}} {{.Id}}", CPU_TAG], local_docker_url
+    )
+    labels_json, image_id = inspected.stdout.strip().rsplit(" ", 1)
+    labels = json.loads(labels_json)
+    assert image_id == cpu_image["image_id"]
+    for key, value in inside.items():
+        assert labels[f"dzctl.{key}"] == value, key
+    assert labels["dzctl.cuda"] == "cpu" and "+cpu" in labels["dzctl.torch"]
+    assert labels["dzctl.nccl"] == "none"  # a CPU torch has no NCCL, and says so
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", labels["dzctl.build-time"])
+    assert cpu_image["labels"] == {k: v for k, v in labels.items() if k.startswith("dzctl.")}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image, local_docker_url):
+    # The shm op was compiled at build time: loading it must not compile (no "Building extension").
+    script = (
+        "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=True);"
+        "import importlib.util; assert importlib.util.find_spec('orchestrator.train'); print('ok')"
+    )
+    ran = docker_cli(["run", "--rm", "--network", "host", CPU_TAG, "python", "-c", script], local_docker_url)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip().endswith("ok")
+    assert "Building extension" not in ran.stdout + ran.stderr
+    helped = docker_cli(["run", "--rm", CPU_TAG, "python", "-m", "orchestrator.train", "--help"], local_docker_url)
+    assert helped.returncode == 0, helped.stderr[-2000:]
+
+
+@pytest.mark.integration
+def test_cuda_flavour_first_stage_builds_here(local_docker_url, base_image):
+    # No CUDA base can be pulled here: build the CUDA flavour's first stage on the local Debian
+    # base. That runs its real system step (IB user libraries for NCCL, compiler, Python).
+    done = dzctl(
+        ["build", "--flavour", "cuda", "--base-image", base_image, "--target", "system", "--tag", CUDA_SYSTEM_TAG],
+        local_docker_url,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pkgs = ["libibverbs1", "ibverbs-providers", "rdma-core", "g++", "python3-dev"]
+    ran = docker_cli(
+        ["run", "--rm", CUDA_SYSTEM_TAG, "dpkg-query", "-W", "-f", "${Package} ${Status}\n", *pkgs],
+        local_docker_url,
+    )
+    assert ran.returncode == 0, ran.stderr
+    for pkg in pkgs:
+        assert f"{pkg} install ok installed" in ran.stdout
+
+
+@pytest.mark.integration
+def test_build_failure_names_the_step_without_traceback(local_docker_url):
+    done = dzctl(
+        ["build", "--flavour", "cpu", "--base-image", "dzctl-test/no-such-base:1", "--tag", "dzctl-test/broken"],
+        local_docker_url,
+        timeout=600,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "error: build failed at step 2/" in done.stderr
+    assert "FROM ${BASE_IMAGE} AS system" in done.stderr
+    assert "dzctl-test/no-such-base" in done.stderr
+    assert "fix:" in done.stderr

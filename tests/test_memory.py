@@ -231,11 +231,18 @@ def test_explicit_settings_are_evaluated_not_changed():
     precision=st.sampled_from(["bf16", "fp16", "fp32"]),
 )
 def test_estimate_is_monotone(micro, seq, world, ckpt, precision):
-    def peak(m=micro, s=seq, w=world, c=ckpt, o="none"):
-        return estimate(QWEN3_8B, Choice(m, c, o), seq_len=s, precision=precision, world_size=w).gpu_peak
+    def est(m=micro, s=seq, w=world, c=ckpt, o="none"):
+        return estimate(QWEN3_8B, Choice(m, c, o), seq_len=s, precision=precision, world_size=w)
 
-    assert peak(m=micro + 1) > peak()
-    assert peak(s=seq * 2) > peak()
+    def peak(**kw):
+        return est(**kw).gpu_peak
+
+    # The peak is the larger of the forward/backward and the optimizer step (which does
+    # not depend on tokens): more tokens never lower it, and raise it when activations dominate.
+    for bigger in (est(m=micro + 1), est(s=seq * 2)):
+        assert bigger.gpu_peak >= peak()
+        if bigger.peak_phase == "forward/backward":
+            assert bigger.gpu_peak > peak()
     assert peak(w=world + 1) <= peak()
     assert peak(c=True) <= peak(c=False)
     assert peak(o="all") <= peak(o="optimizer") <= peak()
@@ -278,7 +285,7 @@ def test_gpu_memory_is_required_for_gpu_jobs():
 
 def _dzctl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "orchestrator", *args], cwd=REPO, capture_output=True, text=True, timeout=300
     )
 
 

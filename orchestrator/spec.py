@@ -154,7 +154,10 @@ class LaunchSpec(_Strict):
 class JobSpec(_Strict):
     version: Literal[1] = 1
     name: str = Field(pattern=JOB_NAME)
-    image: str = Field("dzctl:latest", min_length=1)
+    # A docker reference (name[:tag][@digest], or an image ID) starts with a letter or
+    # digit. One starting with "-" would sit where `docker run` still reads options
+    # and turn into one (`--privileged`), so it is refused here.
+    image: str = Field("dzctl:latest", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
     runtime: Literal["docker", "process"] = "docker"
     accelerator: Literal["gpu", "cpu"] = "gpu"
     model: ModelSpec
@@ -225,7 +228,11 @@ def load_job(
 
 def shown_override(item: str) -> str:
     """``--set`` text as it may appear in a message: control characters escaped, so a
-    newline in a value cannot split one error into lines that look like others."""
+    newline in a value cannot split one error into lines that look like others, and
+    the value of a secret-named key replaced by ``***``."""
+    dotted, sep, _ = item.partition("=")
+    if sep and is_secret_name(dotted.rsplit(".", 1)[-1]):
+        item = f"{dotted}=***"
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in item)
 
 
@@ -272,13 +279,18 @@ def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[st
             text = f"{dotted}: required key is missing"
         else:
             got = error.get("input")
-            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            shown = "" if isinstance(got, (dict, list)) or _is_secret_loc(loc) else f" (got {got!r})"
             text = f"{dotted}: {_short(error['msg'])}{shown}"
         source = _override_for(dotted, overrides)
         prefix = f"--set {shown_override(source)}" if source else lines.where(loc)
         messages.append(f"{prefix}: {text}")
     # One line per problem, in file order, so each names its own line.
     return "\n".join(dict.fromkeys(messages))
+
+
+def _is_secret_loc(loc: KeyPath) -> bool:
+    # launch.env.<NAME>: a rejected secret must not be echoed in the error that rejects it.
+    return len(loc) >= 3 and loc[:2] == ("launch", "env") and is_secret_name(str(loc[2]))
 
 
 def _override_for(dotted: str, overrides: tuple[str, ...]) -> str | None:

@@ -106,8 +106,13 @@ def parse_progress(text: str, now: float | None = None) -> tuple[dict | None, fl
             continue
         if isinstance(event.get("time"), (int, float)):
             last_time = float(event["time"])
-        if event.get("step") is not None and event.get("event") in ("start", "step", "checkpoint", "end"):
+        if event.get("event") == "step":
             last_step = event
+        elif event.get("step") is not None and event.get("event") in ("start", "checkpoint", "end"):
+            # Later events move the step on; loss and speed stay the last step's
+            # (the end event's loss is the run's average, not where it ended).
+            last_step = {**(last_step or {}), "step": event["step"], "max_steps": event.get("max_steps"),
+                         "event": event["event"]}  # fmt: skip
         if event.get("event") == "error":
             error = str(event.get("reason") or event.get("error") or event.get("message") or "error")
     progress = None

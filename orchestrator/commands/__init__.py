@@ -7,6 +7,10 @@ the same change that makes its command real.
 from __future__ import annotations
 
 COMMAND_MODULES = [
+    "orchestrator.commands.build",
+    "orchestrator.commands.distribute",
     "orchestrator.commands.launch",
+    "orchestrator.commands.jobs",
     "orchestrator.commands.plan",
+    "orchestrator.commands.preflight",
 ]

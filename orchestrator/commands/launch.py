@@ -8,6 +8,7 @@ import sys
 import time
 
 import click
+from rich.console import Console
 
 from ..dsconfig import Resolved
 from ..errors import RuntimeFailure
@@ -17,6 +18,8 @@ from ..launch import start_job
 from ..memory import nodes_description, plan_for_job, require_fit
 from ..options import hosts_options, job_options, json_option, load_job_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
+from ..preflight import run_preflight
+from ..preflight.render import print_report
 from ..spec import LoadedJob, read_env_file
 from ..ssh import HostPool
 from ..store import JobStore
@@ -131,14 +134,16 @@ def _min_reading(report, name: str) -> float | None:
 
 
 def _preflight(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool):
-    from ..preflight import render_report, run_preflight
-
+    """The same checks as `dzctl preflight`; nothing starts unless every node passes."""
     report = run_preflight(job, nodes, pool)
+    if not report.ok or not quiet:
+        print_report(report, Console(stderr=True, highlight=False, soft_wrap=True))
     if not report.ok:
-        click.echo(render_report(report), err=True)
+        failed = sorted({host for host, _ in report.failures()})
         raise RuntimeFailure(
-            f"preflight failed on {len({h for h, _ in report.failures()})} host(s); nothing was started",
-            fix="fix what the table names, then launch again (`dzctl preflight` re-checks)",
+            f"preflight failed on {len(failed)} of {len(report.hosts)} node(s): {', '.join(failed)}; "
+            "nothing was started",
+            fix="apply the fixes listed above, then launch again",
         )
     return report
 

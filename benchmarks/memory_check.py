@@ -96,7 +96,13 @@ def run_case(case: str, gpu_mem_gib: float, host_mem_gib: float) -> dict:
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    optimizer = None
+    if "optimizer" not in ds:
+        # dsconfig leaves the optimizer to the HF Trainer when nothing is offloaded: it
+        # hands DeepSpeed torch's fused AdamW, as here.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        ds = dict(ds, zero_allow_untested_optimizer=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds)
     torch.cuda.reset_peak_memory_stats()
     losses = []
     for _ in range(STEPS):

@@ -38,6 +38,7 @@ CASES = {
     "qwen3-1.7b-m4-ckpt": ("Qwen/Qwen3-1.7B", 4096, 4, True, "none", "bf16"),
     "qwen3-1.7b-m2-ckpt-offopt": ("Qwen/Qwen3-1.7B", 4096, 2, True, "optimizer", "bf16"),
     "qwen3-4b-m2-ckpt-offall": ("Qwen/Qwen3-4B", 4096, 2, True, "all", "bf16"),
+    "qwen3-1.7b-m2-ckpt-offall": ("Qwen/Qwen3-1.7B", 4096, 2, True, "all", "bf16"),
 }
 STEPS = 3
 

@@ -343,3 +343,34 @@ def test_cli_plan_tiny_cpu_job_needs_no_gpu_memory():
     assert out["fits"] is True and out["zero"] == {"offload_optimizer": False, "offload_param": False}
     assert out["micro_batch_size"] == 4 and out["gradient_checkpointing"] is False
     assert out["ds_config"]["fp16"]["enabled"] is False and out["ds_config"]["bf16"]["enabled"] is False
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(sorted(CATALOGUE)),
+    slots=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=4),
+    gpu=st.sampled_from([24.0, 40.0, 80.0, 140.4]),
+    host=st.sampled_from([None, 64.0, 256.0, 1024.0]),
+    seq=st.sampled_from([1024, 2048, 4096, 8192]),
+)
+def test_auto_choice_is_the_fastest_candidate_that_fits(model, slots, gpu, host, seq):
+    from orchestrator.memory import OFFLOAD_ORDER, expected_cost_per_token
+
+    shape = shape_from_config(CATALOGUE[model], name=model, source="catalogue")
+    plan = _plan(shape, slots, gpu, host, seq=seq)
+    fitting = [c for c, ok, _ in plan.candidates if ok]
+    if not plan.fits:
+        assert not fitting and plan.reason
+        if plan.min_nodes is not None:
+            assert _plan(shape, [min(slots)] * plan.min_nodes, gpu, host, seq=seq).fits
+        return
+    chosen = plan.choice
+    assert chosen in fitting
+    assert plan.estimate.gpu_required <= gpu * GIB
+    if host is not None:
+        assert max(plan.host_per_node) <= host * GIB
+    # Nothing at a faster offload level fits; nothing at this level is expected to be faster.
+    level = OFFLOAD_ORDER.index(chosen.offload)
+    assert all(OFFLOAD_ORDER.index(c.offload) >= level for c in fitting)
+    same_level = [c for c in fitting if c.offload == chosen.offload]
+    assert expected_cost_per_token(chosen, seq) == min(expected_cost_per_token(c, seq) for c in same_level)

@@ -720,7 +720,13 @@ class HostPool:
             ) from None
         except (OSError, paramiko.SSHException, EOFError) as exc:
             client.close()
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+            if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+                # paramiko folds "connection refused" per address into one message; unfold it.
+                reason = "; ".join(sorted({e.strerror or str(e) for e in exc.errors.values()}))
+            elif isinstance(exc, OSError) and exc.strerror:
+                reason = exc.strerror
+            else:
+                reason = str(exc) or type(exc).__name__
             raise RemoteError(
                 f"{config.alias}: unreachable: {where}: {reason} (after {time.monotonic() - started:.1f} s)",
                 fix=f"check that sshd runs on {config.hostname} and listens on port {config.port}",

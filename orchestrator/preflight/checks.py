@@ -454,6 +454,17 @@ def check_container(conn: Connection, ctx: Context, facts: Facts) -> list[Check]
                 "install/configure the NVIDIA Container Toolkit (see nvidia-toolkit)",
             )
         ]
+    if "error setting rlimit" in result.stderr:
+        # runc raises the container's hard limits; it can go above dockerd's own only with CAP_SYS_RESOURCE.
+        return [
+            fail(
+                "image-runtime",
+                "the container cannot start with the launch's --ulimit memlock=-1: dockerd's own memlock limit is "
+                f"lower and it may not raise it ({_tail(result, 160)})",
+                "give dockerd unlimited memlock: `systemctl edit docker` → [Service] LimitMEMLOCK=infinity, "
+                "then restart docker",
+            )
+        ]
     if "DZ_MEMLOCK" not in result.stdout:
         return [fail("image-runtime", f"the container did not start: {_tail(result)}", "run the command by hand")]
     checks = [limits_check(result.stdout, ctx, "in the container")]

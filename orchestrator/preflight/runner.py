@@ -107,7 +107,7 @@ def run_preflight(
         seconds = pool.connect_seconds.get(host, 0.0)
         if isinstance(outcome, Exception):
             fix = getattr(outcome, "fix", None) or "check the host and the SSH config"
-            reports[host].checks.append(fail("ssh", f"{outcome} ({seconds:.1f} s)", fix))
+            reports[host].checks.append(fail("ssh", str(outcome), fix))
         else:
             how = "local, no SSH" if isinstance(outcome, LocalConnection) else f"connected in {seconds:.2f} s"
             reports[host].checks.append(ok("ssh", how))

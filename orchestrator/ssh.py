@@ -564,6 +564,25 @@ def _pour(stdin: Stdin, pipe) -> None:
             pipe.close()
 
 
+def run_concurrently(
+    conn: Connection, argvs: list[list[str]], *, timeout: float | None = None, max_channels: int = 8
+) -> list[Result | Exception]:
+    """Several independent commands on one host at once, each on its own channel of the one connection.
+
+    Saves a round trip and a session start-up per command over running them in turn. OpenSSH's
+    sshd allows 10 sessions per connection by default (MaxSessions), hence the cap.
+    """
+
+    def one(argv: list[str]) -> Result | Exception:
+        try:
+            return conn.run(argv, timeout=timeout)
+        except RemoteError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_channels, len(argvs)))) as executor:
+        return list(executor.map(one, argvs))
+
+
 # -- the pool -----------------------------------------------------------------
 class HostPool:
     """Connections to a run's hosts: opened on first use, in parallel, one per host.

@@ -23,6 +23,7 @@ from orchestrator.ssh import (
     command_line,
     load_ssh_config,
     resolve_host,
+    run_concurrently,
 )
 
 NASTY = [
@@ -331,3 +332,19 @@ def test_ssh_agent_keys_are_used(cluster, tmp_path, monkeypatch):
     finally:
         os.kill(agent.pid, signal.SIGTERM)
         agent.wait(timeout=10)
+
+
+@pytest.mark.integration
+def test_commands_at_once_share_the_one_connection(cluster):
+    hosts = cluster(1)
+    host = hosts.hosts[0]
+    argvs = [["sh", "-c", f"sleep 0.5; echo {i} $SSH_CONNECTION"] for i in range(5)] + [["false"]]
+    with HostPool([host.name], ssh_config=hosts.ssh_config) as pool:
+        conn = pool.connection(host.name)
+        started = time.monotonic()
+        results = run_concurrently(conn, argvs, timeout=20)
+        elapsed = time.monotonic() - started
+    assert [r.stdout.split()[0] for r in results[:5]] == ["0", "1", "2", "3", "4"]  # in argv order
+    assert len({r.stdout.split(maxsplit=1)[1] for r in results[:5]}) == 1  # one client port: one connection
+    assert results[5].exit_code == 1
+    assert elapsed < 2.0  # five 0.5 s sleeps overlapped

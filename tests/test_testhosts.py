@@ -88,3 +88,41 @@ def test_docker_hosts_answer_from_root_namespace_and_over_ssh(cluster):
         remote = _ssh(hosts, host, "docker info --format '{{.Name}}'")
         assert remote.returncode == 0, remote.stderr
         assert remote.stdout.strip() == host.name
+
+
+def test_clusters_of_killed_test_runs_are_swept(tmp_path):
+    import signal
+    import sys
+    import time
+
+    from conftest import require_test_hosts
+    from testhosts import RUN_ROOT, TestCluster, sweep_stale_clusters
+
+    require_test_hosts()
+    # A test process that builds a cluster and is then SIGKILLed: its finalizers never run.
+    script = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from testhosts import TestCluster; "
+        "c = TestCluster(2, workdir=sys.argv[2]); c.start(); print(c.cid, c.hosts[0].sshd_pid, flush=True); "
+        "time.sleep(120)"
+    )
+    victim = subprocess.Popen(
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path / "victim")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    cid, sshd_pid = victim.stdout.readline().split()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert (RUN_ROOT / cid).exists() and f"dzt-{cid}-0" in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True
+    ).stdout
+    # A live cluster next to it must survive the sweep.
+    with TestCluster(1, workdir=tmp_path / "live") as live:
+        assert cid in sweep_stale_clusters() or not (RUN_ROOT / cid).exists()  # swept by start() or now
+        assert (RUN_ROOT / live.cid).exists()
+        assert live.run_in(live.hosts[0], ["true"]).returncode == 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"dzt-{cid}-" not in listed
+    assert subprocess.run(["ip", "link", "show", f"dzb{cid}"], capture_output=True).returncode != 0
+    time.sleep(0.2)
+    assert not Path(f"/proc/{sshd_pid}").exists() or "Z" in Path(f"/proc/{sshd_pid}/stat").read_text().split()[2]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import json
 import os
 import pwd
 import secrets
@@ -199,6 +200,10 @@ class TestCluster:
         # parallel test runs: the claimed subnet shows up as a route at once.
         with open(LOCK_PATH, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            sweep_stale_clusters()
+            (self.rundir / "owner.json").write_text(
+                json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()), "workdir": str(self.workdir)})
+            )
             self.network = _free_subnet()
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             self._cleanups.append(lambda: _run(["ip", "link", "del", self.bridge], check=False))
@@ -499,3 +504,61 @@ def _unmount_under(root: Path) -> None:
     targets = [line.split()[1] for line in mounts if line.split()[1].startswith(str(root))]
     for target in sorted(targets, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot): with the pid, names one process for good."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_stale_clusters() -> list[str]:
+    """Tear down clusters whose test process died without its finalizers (SIGKILL, a timeout).
+
+    A cluster is stale when the process recorded in its owner.json (pid + start time) is
+    gone; live clusters of other test runs are left alone. Returns the swept cluster ids.
+    """
+    swept = []
+    if not RUN_ROOT.exists():
+        return swept
+    for rundir in RUN_ROOT.iterdir():
+        owner_file = rundir / "owner.json"
+        if not rundir.is_dir() or not owner_file.exists():
+            continue
+        try:
+            owner = json.loads(owner_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if _start_time(owner["pid"]) == owner["start"]:
+            continue  # its test process still runs
+        cid = rundir.name
+        # dockerd first, politely: it unmounts its overlays on SIGTERM.
+        for pidfile in rundir.glob("*/dockerd.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_pid_alive(f) for f in rundir.glob("*/dockerd.pid")):
+            time.sleep(0.2)
+        listed = _run(["ip", "netns", "list"], check=False).stdout.split()
+        for netns in (n for n in listed if n.startswith(f"dzt-{cid}-")):
+            for pid in _run(["ip", "netns", "pids", netns], check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _run(["ip", "netns", "del", netns], check=False)
+        _run(["ip", "link", "del", f"dzb{cid}"], check=False)
+        _unmount_under(rundir)
+        if owner.get("workdir"):
+            _unmount_under(Path(owner["workdir"]))
+        shutil.rmtree(rundir, ignore_errors=True)
+        swept.append(cid)
+    return swept
+
+
+def _pid_alive(pidfile: Path) -> bool:
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    return Path(f"/proc/{pid}").exists()

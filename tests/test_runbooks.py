@@ -20,9 +20,11 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args, get_origin
 
 import click
 import pytest
+from pydantic import BaseModel
 
 REPO = Path(__file__).resolve().parent.parent
 RUNBOOKS = REPO / "docs" / "runbooks"
@@ -131,7 +133,59 @@ def check_command(group: click.Group, text: str) -> list[str]:
         param = _find_option(command, word.split("=", 1)[0])
         if param is not None and not param.is_flag and not param.count and "=" not in word:
             skip = True  # the next word is this option's value
+    if _find_option(command, "--set") is not None:
+        problems.extend(f"dzctl {name}: {p}" for p in _set_problems(rest, "--set"))
     return problems
+
+
+def _set_problems(rest: list[str], flag: str) -> list[str]:
+    """The keys of every ``--set KEY=VALUE`` must be keys of the job spec (values may be placeholders)."""
+    problems = []
+    for index, word in enumerate(rest[:-1]):
+        if word == flag:
+            key = rest[index + 1].split("=", 1)[0]
+            if key.isupper():
+                continue  # the synopsis placeholder KEY=VALUE
+            problem = spec_key_problem(key)
+            if problem:
+                problems.append(f"--set {rest[index + 1]}: {problem}")
+    return problems
+
+
+def spec_key_problem(dotted: str) -> str | None:
+    """None when ``dotted`` names a key of the job spec (or a free-form mapping under one)."""
+    from orchestrator.spec import JobSpec
+
+    model: type[BaseModel] = JobSpec
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the job spec"
+        if part not in model.model_fields:
+            return f"{part!r} is not a key of {where} (keys: {', '.join(model.model_fields)})"
+        annotation = model.model_fields[part].annotation
+        sub = _model_in(annotation)
+        if sub is None:
+            if depth < len(parts) - 1 and not _is_mapping(annotation):
+                return f"{'.'.join(parts[: depth + 1])} is a value, not a section"
+            return None  # a value, or a free-form mapping (launch.env, zero.overrides, model.config)
+        model = sub
+    return None
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_mapping(annotation) -> bool:
+    if annotation is dict or get_origin(annotation) is dict:
+        return True
+    return any(_is_mapping(arg) for arg in get_args(annotation))
 
 
 def _find_option(command: click.Command, name: str) -> click.Option | None:
@@ -199,6 +253,14 @@ def test_checker_rejects_unknown_option(cli_group):
     assert check_command(cli_group, f"dzctl {name} JOB --no-such-option-anywhere")
     assert check_command(cli_group, f"dzctl {name} JOB --no-such-option-anywhere=3")
     assert check_command(cli_group, "dzctl --no-such-global status")
+
+
+def test_checker_rejects_set_keys_the_spec_does_not_have(cli_group):
+    name = next(n for n, c in sorted(cli_group.commands.items()) if any("--set" in p.opts for p in c.params))
+    assert check_command(cli_group, f"dzctl {name} JOB --set train.lerning_rate=1e-5")
+    assert check_command(cli_group, f"dzctl {name} JOB --set train.max_steps.x=1")
+    assert not check_command(cli_group, f"dzctl {name} JOB --set launch.env.ANY_NAME=1 --set zero.overrides.a.b=c")
+    assert not check_command(cli_group, f"dzctl {name} JOB --set KEY=VALUE --set train.save_steps=N")
 
 
 def test_checker_accepts_real_options_and_values(cli_group):

@@ -2,7 +2,7 @@
 # Python side of the image, one build step per call so Docker caches the slow steps separately:
 #   install-python.sh torch     venv + torch (from the wheelhouse only, or from TORCH_INDEX_URL)
 #   install-python.sh deps      DeepSpeed (ops prebuilt as asked) + transformers
-#   install-python.sh project   this project's package, without touching the pinned packages
+#   install-python.sh project-deps  this project's dependencies (from its metadata), pins untouched
 # Inputs come from build args (TORCH_VERSION, ...), see docker/Dockerfile.
 set -eu
 EXTRA=/tmp/dzctl-build
@@ -61,8 +61,8 @@ deps)
             "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
     fi
     ;;
-project)
-    "$VENV/bin/pip" install "/opt/dzctl-src[train]"
+project-deps)
+    "$VENV/bin/pip" install "/opt/dzctl-meta[train]"
     ;;
 *)
     echo "install-python.sh: unknown step '$1'" >&2

@@ -292,14 +292,17 @@ class BuildProgress:
         return f"step {self.step_index}/{self.step_count}: {self.step}"
 
 
-def run_build(client, context_file, request: BuildRequest, labels: dict[str, str] | None, progress: BuildProgress):
+def run_build(
+    client, context_file, request: BuildRequest, labels: dict[str, str] | None, progress: BuildProgress, tag: bool
+):
     """One ``docker build`` through the SDK; returns the image ID or raises ``BuildFailed``."""
     context_file.seek(0)
+    progress.image_id = None
     stream = client.api.build(
         fileobj=context_file,
         custom_context=True,
         dockerfile=DOCKERFILE,
-        tag=request.image_tag,
+        tag=request.image_tag if tag else None,
         buildargs=build_args(request),
         target=request.target,
         labels=labels,
@@ -320,8 +323,7 @@ def run_build(client, context_file, request: BuildRequest, labels: dict[str, str
             fix="fix the failing step above; rerun with the same options (finished steps are cached)",
         )
     if not progress.image_id:
-        image = client.images.get(request.image_tag)
-        progress.image_id = image.id
+        raise BuildFailed(f"the daemon finished the build at {progress.describe()} without naming an image")
     return progress.image_id
 
 
@@ -369,15 +371,43 @@ def build_image(
     client = client or docker_client()
     progress = progress or BuildProgress()
     with build_context(request, root) as context_file:
-        image_id = run_build(client, context_file, request, None, progress)
         if request.target:
+            image_id = run_build(client, context_file, request, None, progress, tag=True)
             return BuiltImage(image_id, request.image_tag, {}, {}, progress.elapsed_s)
-        build_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        versions = probe_versions(client, image_id)
-        labels = labels_for(versions, build_time)
+        # Pass 1 stays untagged: the tag keeps naming the previous image until pass 2 replaces it.
+        unlabelled = run_build(client, context_file, request, None, progress, tag=False)
+        versions = probe_versions(client, unlabelled)
+        previous = _same_build(client, request.image_tag, unlabelled, versions)
+        if previous is not None:
+            # Nothing changed: keep the existing image (and its ID, which nodes may already hold)
+            # rather than minting a new ID that differs only in its build-time label.
+            return BuiltImage(previous.id, request.image_tag, dict(previous.labels), versions, progress.elapsed_s)
+        labels = labels_for(versions, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         progress.step, progress.step_index, progress.step_count = "labelling", 0, 0
-        image_id = run_build(client, context_file, request, labels, progress)
+        image_id = run_build(client, context_file, request, labels, progress, tag=True)
     return BuiltImage(image_id, request.image_tag, labels, versions, progress.elapsed_s)
+
+
+def _same_build(client, tag: str, unlabelled_id: str, versions: dict[str, str]):
+    """The image ``tag`` names if it is this very build plus labels for these versions, else None."""
+    import docker.errors
+
+    try:
+        current = client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        return None
+    labels = current.labels or {}
+    if any(labels.get(f"{LABEL_PREFIX}{key}") != str(versions.get(key)) for key in VERSION_LABELS):
+        return None
+    # Label steps are config-only children of the unlabelled image: walk up a few parents.
+    image_id = current.id
+    for _ in range(len(VERSION_LABELS) + 2):
+        if image_id == unlabelled_id:
+            return current
+        image_id = client.api.inspect_image(image_id).get("Parent") or ""
+        if not image_id:
+            return None
+    return None
 
 
 def push_image(client, image: BuiltImage, registry: str, on_line: Callable[[str], None] | None = None) -> BuiltImage:

@@ -210,9 +210,8 @@ CPU_TAG = "dzctl-test/cpu:latest"
 CUDA_SYSTEM_TAG = "dzctl-test/cuda:system"
 
 
-@pytest.fixture(scope="module")
-def cpu_image(local_docker_url, base_image):
-    """The CPU flavour, built by `dzctl build` from the local base; the torch wheel from a wheelhouse."""
+def cpu_build_args(base_image: str) -> list[str]:
+    """`dzctl build` of the CPU flavour on the local base, torch from a wheelhouse."""
     from baseimage import torch_wheelhouse
 
     args = ["build", "--flavour", "cpu", "--base-image", base_image, "--tag", CPU_TAG, "--json"]
@@ -220,7 +219,13 @@ def cpu_image(local_docker_url, base_image):
     if os.environ.get("PIP_CERT"):
         # This machine reaches PyPI through a TLS-intercepting proxy whose CA pip must trust.
         args += ["--ca-bundle", os.environ["PIP_CERT"]]
-    done = dzctl(args, local_docker_url)
+    return args
+
+
+@pytest.fixture(scope="module")
+def cpu_image(local_docker_url, base_image):
+    """The CPU flavour, built by `dzctl build` (its JSON report)."""
+    done = dzctl(cpu_build_args(base_image), local_docker_url)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     return json.loads(done.stdout)
@@ -266,6 +271,17 @@ def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image, local
     assert "Building extension" not in ran.stdout + ran.stderr
     helped = docker_cli(["run", "--rm", CPU_TAG, "python", "-m", "orchestrator.train", "--help"], local_docker_url)
     assert helped.returncode == 0, helped.stderr[-2000:]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_rebuild_without_changes_keeps_the_image_id(cpu_image, local_docker_url, base_image):
+    # Same inputs, same image: nodes that hold it need nothing new (build-time is not bumped).
+    again = dzctl(cpu_build_args(base_image), local_docker_url)
+    assert again.returncode == 0, again.stderr[-3000:]
+    report = json.loads(again.stdout)
+    assert report["image_id"] == cpu_image["image_id"]
+    assert report["labels"]["dzctl.build-time"] == cpu_image["labels"]["dzctl.build-time"]
 
 
 @pytest.mark.integration

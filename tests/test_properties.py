@@ -513,3 +513,54 @@ def test_hostile_characters_are_really_generated():
 
 def test_input_errors_are_exit_2():
     assert InputError.exit_code == HostfileError.exit_code == SpecError.exit_code == 2
+
+
+# ---------------------------------------------------------------------------
+# From any accepted selection, a consistent launch plan
+# ---------------------------------------------------------------------------
+
+
+@PROPS
+@given(
+    hosts=st.lists(st.tuples(host_names, st.integers(1, 8)), min_size=1, max_size=5, unique_by=lambda t: t[0]),
+    data=st.data(),
+    accelerator=st.sampled_from(["gpu", "cpu"]),
+    runtime=st.sampled_from(["docker", "process"]),
+)
+def test_any_accepted_selection_plans_consistently(tmp_path_factory, hosts, data, accelerator, runtime):
+    """Ranks follow hostfile order, every node agrees on master and world size, GPUs are the chosen slots."""
+    from orchestrator.plan import make_plan
+
+    entries = parse_hostfile("".join(f"{h} slots={n}\n" for h, n in hosts), "hosts.txt")
+    pick = data.draw(st.lists(st.sampled_from([h for h, _ in hosts]), max_size=3, unique=True))
+    include = "@".join(
+        f"{h}:{','.join(map(str, data.draw(st.lists(st.integers(0, dict(hosts)[h] - 1), min_size=1, max_size=3))))}"
+        if data.draw(st.booleans())
+        else h
+        for h in pick
+    )
+    nodes = select_nodes(entries, ResourceFilter(include=include), "hosts.txt")
+    job = tmp_path_factory.mktemp("plan") / "job.yaml"
+    job.write_text(TINY_JOB, encoding="utf-8")
+    spec = load_job(job, (f"accelerator={accelerator}", f"runtime={runtime}")).spec
+    plan = make_plan(spec, nodes, "prop-20260101-000000-abcd")
+
+    assert [n.host for n in plan.nodes] == [n.host for n in nodes]
+    assert [n.node_rank for n in plan.nodes] == list(range(len(nodes)))
+    assert plan.world_size == sum(n.num_slots for n in nodes)
+    assert plan.master_addr == nodes[0].host  # master_addr: auto, before preflight picks an address
+    for planned, node in zip(plan.nodes, nodes, strict=True):
+        command = list(planned.command)
+        value = {flag: command[command.index(flag) + 1] for flag in ("--master_addr", "--master_port", "--nnodes")}
+        assert value == {"--master_addr": plan.master_addr, "--master_port": "29500", "--nnodes": str(len(nodes))}
+        assert command[command.index("--node_rank") + 1] == str(planned.node_rank)
+        assert command[command.index("--nproc_per_node") + 1] == str(node.num_slots)
+        assert planned.slots == node.num_slots
+        assert planned.gpus == (node.slots if accelerator == "gpu" else ())
+        if runtime == "docker" and accelerator == "gpu":
+            argv = list(planned.argv)
+            assert argv[argv.index("--gpus") + 1] == '"device=' + ",".join(map(str, node.slots)) + '"'
+        if runtime == "process" and accelerator == "gpu":
+            assert planned.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, node.slots))
+    names = [n.container_name for n in plan.nodes if n.container_name]
+    assert len(names) == len(set(names))

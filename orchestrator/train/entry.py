@@ -56,8 +56,25 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
+def single_rank_defaults(env=None) -> None:
+    """A plain ``python -m orchestrator.train`` (no launcher) is a job of one rank on this machine."""
+    import os
+
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        # A free port, so two single-rank runs on one machine do not collide.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(probe.getsockname()[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    single_rank_defaults()
     log: ProgressLog | None = None
     try:
         loaded = load_job(args.job, args.overrides)

@@ -318,28 +318,29 @@ class ProgressCallback(TrainerCallback):
             torch.distributed.barrier()
 
 
-def build_model(loaded: LoadedJob, precision: str, tokenizer_size: int):
-    """Random init from ``model.config`` or the named model's config; else ``from_pretrained``.
+def model_config(loaded: LoadedJob):
+    """The architecture: ``model.config`` (random init with ``model_type``) or the named model's, overridden."""
+    model_spec = loaded.spec.model
+    overrides = dict(model_spec.config or {})
+    model_type = overrides.pop("model_type", None) if model_spec.init == "random" else None
+    if model_type is not None:
+        config = AutoConfig.for_model(model_type, **overrides)
+    else:
+        config = AutoConfig.from_pretrained(model_spec.name_or_path, **overrides)
+    config.use_cache = False  # the KV cache is for generation; training only wastes memory on it
+    return config
+
+
+def build_model(loaded: LoadedJob, config, precision: str):
+    """Random weights for ``model.init: random``, else ``from_pretrained``.
 
     Called after the ``TrainingArguments`` exist, so both paths run under ZeRO-3's
     ``zero.Init`` (weights partitioned as they are created or loaded).
     """
-    model_spec = loaded.spec.model
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    overrides = dict(model_spec.config or {})
-    if model_spec.init == "random":
-        model_type = overrides.pop("model_type", None)
-        if model_type is not None:
-            config = AutoConfig.for_model(model_type, **overrides)
-        else:
-            config = AutoConfig.from_pretrained(model_spec.name_or_path, **overrides)
-        config.use_cache = False  # the KV cache is for generation; training only wastes memory on it
-        _check_vocab(config, tokenizer_size, loaded)
+    if loaded.spec.model.init == "random":
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    config = AutoConfig.from_pretrained(model_spec.name_or_path, **overrides)
-    config.use_cache = False
-    _check_vocab(config, tokenizer_size, loaded)
-    return AutoModelForCausalLM.from_pretrained(model_spec.name_or_path, config=config, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(loaded.spec.model.name_or_path, config=config, dtype=dtype)
 
 
 def _check_vocab(config, tokenizer_size: int, loaded: LoadedJob) -> None:
@@ -412,11 +413,15 @@ def train(
             f"resume from {resume.path if resume else 'nothing (fresh start)'}",
             flush=True,
         )
+    # Tokenizer, architecture and data first: a bad row or vocabulary fails in
+    # seconds, before any process group starts or any weight is loaded.
+    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.name_or_path)
+    config = model_config(loaded)
+    _check_vocab(config, len(tokenizer), loaded)
+    dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
-    tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.name_or_path)
-    model = build_model(loaded, settings.precision, len(tokenizer))
-    dataset = load_dataset(loaded, tokenizer, settings, ranks, model.config.vocab_size, log)
+    model = build_model(loaded, config, settings.precision)
     callback = ProgressCallback(log, ranks, save=save)
     trainer = DzTrainer(
         model=model,

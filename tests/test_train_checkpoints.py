@@ -1,0 +1,153 @@
+"""Checkpoint completeness, resume choice, consolidated-weights check, progress events (no torch).
+
+The layouts here are the ones DeepSpeed 0.19 + the HF Trainer write (checked
+against the real run in tests/test_train.py, which also inspects its own output).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from orchestrator.train import checkpoints
+from orchestrator.train.checkpoints import CheckpointError, IncompleteWeights
+from orchestrator.train.progress import KEYS, ProgressLog, finite, make_event, read_events
+
+
+def make_checkpoint(out: Path, step: int, world: int, *, marker: bool = True, drop: str | None = None) -> Path:
+    path = out / f"checkpoint-{step}"
+    shards = path / f"global_step{step}"
+    shards.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (path / "latest").write_text(f"global_step{step}")
+    for rank in range(world):
+        for name in (
+            f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+            f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+        ):
+            if name != drop:
+                (shards / name).write_bytes(b"x")
+    if marker:
+        checkpoints.write_marker(path, world, step)
+    return path
+
+
+def test_complete_checkpoint(tmp_path):
+    path = make_checkpoint(tmp_path, 10, 4)
+    found = checkpoints.inspect(path)
+    assert (found.complete, found.step, found.world_size) == (True, 10, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({"marker": False}, "dzctl-complete.json missing: the save did not finish on every rank"),
+        ({"drop": "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"}, "optimizer shards for ranks [2] missing"),
+        ({"drop": "zero_pp_rank_0_mp_rank_00_model_states.pt"}, "model-state shards for ranks [0] missing"),
+    ],
+)
+def test_incomplete_checkpoints(tmp_path, kwargs, problem):
+    found = checkpoints.inspect(make_checkpoint(tmp_path, 5, 3, **kwargs))
+    assert not found.complete and found.problem == problem
+
+
+def test_resume_auto_takes_newest_complete(tmp_path):
+    make_checkpoint(tmp_path, 10, 2)
+    make_checkpoint(tmp_path, 20, 2)
+    make_checkpoint(tmp_path, 30, 2, marker=False)  # a save cut short by a crash
+    chosen = checkpoints.choose_resume("auto", tmp_path, 2)
+    assert chosen is not None and chosen.step == 20
+
+
+def test_resume_auto_with_nothing_starts_fresh(tmp_path):
+    assert checkpoints.choose_resume("auto", tmp_path / "none-yet", 2) is None
+    make_checkpoint(tmp_path, 10, 2)
+    assert checkpoints.choose_resume("never", tmp_path, 2) is None
+
+
+def test_resume_other_world_size_refused_with_conversion(tmp_path):
+    path = make_checkpoint(tmp_path, 10, 4)
+    with pytest.raises(CheckpointError) as err:
+        checkpoints.choose_resume("auto", tmp_path, 2)
+    assert "written by 4 data-parallel ranks; this run has 2" in err.value.message
+    assert "deepspeed.checkpoint.ds_to_universal" in err.value.fix
+    assert f"--input_folder {path / 'global_step10'}" in err.value.fix
+    assert "load_universal: true" in err.value.fix
+    assert err.value.exit_code == 2
+
+
+def test_resume_explicit_path(tmp_path):
+    path = make_checkpoint(tmp_path, 7, 2)
+    assert checkpoints.choose_resume(str(path), tmp_path, 2).step == 7
+    broken = make_checkpoint(tmp_path, 8, 2, marker=False)
+    with pytest.raises(CheckpointError, match="is incomplete"):
+        checkpoints.choose_resume(str(broken), tmp_path, 2)
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        checkpoints.choose_resume(str(tmp_path / "nope"), tmp_path, 2)
+
+
+def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A real safetensors file (header + float32 zeros), written by the format's spec."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
+
+
+def test_consolidated_complete(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"a.weight": [4, 8], "b.bias": [8]})
+    checkpoints.check_consolidated(tmp_path, {"a.weight": [4, 8], "b.bias": [8]})
+
+
+def test_consolidated_reads_the_real_format(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3, 5), "e": torch.zeros(0)}, str(tmp_path / "model.safetensors"))
+    assert checkpoints.safetensors_shapes(tmp_path) == {"w": [3, 5], "e": [0]}
+
+
+def test_consolidated_empty_tensors_fail_loudly(tmp_path):
+    # ZeRO-3's classic bug: each rank's empty placeholder saved instead of the gathered weight.
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a.weight": [0]})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b.weight": [2, 2]})
+    with pytest.raises(IncompleteWeights) as err:
+        checkpoints.check_consolidated(tmp_path, {"a.weight": [4, 8], "b.weight": [2, 2], "c.weight": [1]})
+    assert "1 empty tensors (e.g. a.weight)" in err.value.message
+    assert "1 tensors missing (e.g. c.weight)" in err.value.message
+    assert "stage3_gather_16bit_weights_on_model_save" in err.value.fix
+
+
+def test_consolidated_wrong_shape_and_no_file(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"a.weight": [4, 4]})
+    with pytest.raises(IncompleteWeights, match=r"wrong shapes \(e.g. a.weight: \[4, 4\] != \[4, 8\]\)"):
+        checkpoints.check_consolidated(tmp_path, {"a.weight": [4, 8]})
+    with pytest.raises(IncompleteWeights, match=r"no \.safetensors file"):
+        checkpoints.check_consolidated(tmp_path / "empty", {})
+
+
+def test_progress_events_have_every_contract_key(tmp_path, capsys):
+    log = ProgressLog(tmp_path / "out" / "progress.jsonl")
+    log.write("start", step=0, max_steps=30)
+    log.write("step", step=1, max_steps=30, loss=finite(float("nan")), learning_rate=1e-3)
+    log.write("error", reason="DataError: x.jsonl:row 3: missing key 'output'", rank=1)
+    events = read_events(tmp_path / "out" / "progress.jsonl")
+    assert [e["event"] for e in events] == ["start", "step", "error"]
+    for event in events:
+        assert list(event)[: len(KEYS)] == list(KEYS)
+    assert events[1]["loss"] is None  # JSON has no NaN
+    assert events[2]["reason"].startswith("DataError") and events[2]["rank"] == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 3 and printed[0].startswith("dzctl-progress {")
+
+
+def test_unknown_event_refused():
+    with pytest.raises(ValueError):
+        make_event("finished")

@@ -17,6 +17,9 @@ lock, so clusters built at the same time by parallel test runs never collide.
 Needs root, ``ip`` (iproute2), ``nsenter``/``unshare`` (util-linux), ``sshd``
 (openssh-server), ``ssh-keygen``; ``dockerd`` (docker.io) only with docker=True.
 
+Each host sees an /etc/hosts naming the cluster's hosts and has no DNS server,
+and this machine's ~/.bashrc is hidden from its SSH sessions (see start_sshd).
+
 Cost: 4 hosts start in about a second. A dockerd per host adds a few seconds
 each (it starts its own containerd); ask for docker=True only where a test
 talks to Docker.
@@ -128,6 +131,11 @@ class TestCluster:
         return self.workdir / "ssh_config"
 
     @property
+    def hosts_file(self) -> Path:
+        """The /etc/hosts every test host sees: its cluster's names and addresses."""
+        return self.workdir / "etc_hosts"
+
+    @property
     def known_hosts(self) -> Path:
         return self.workdir / "known_hosts"
 
@@ -173,6 +181,10 @@ class TestCluster:
         self._make_network()
         for index in range(self.n):
             self.hosts.append(self._make_host(index))
+        self.hosts_file.write_text(
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+            + "".join(f"{h.address}\t{h.name}\n" for h in self.hosts)
+        )
         for host in self.hosts:
             self.start_sshd(host)
         if self.docker:
@@ -291,8 +303,12 @@ class TestCluster:
         # A mount namespace (mounts from outside still propagate in) lets the
         # host hide this dev machine's ~/.bashrc, which bash sources for every
         # SSH command: a fresh node has none, and here it costs ~0.7 s a command.
+        # Name resolution as on a real cluster: /etc/hosts lists every node of this cluster, and
+        # there is no DNS server (from the namespace this machine's resolver is unreachable, and
+        # each lookup would wait out its timeout); an empty resolv.conf fails fast instead.
         script = (
             'hostname "$1" && for f in $3; do [ ! -f "$f" ] || mount --bind /dev/null "$f"; done'
+            ' && mount --bind "$4" /etc/hosts && mount --bind /dev/null /etc/resolv.conf'
             ' && exec /usr/sbin/sshd -D -e -f "$2"'
         )
         argv = [
@@ -310,6 +326,7 @@ class TestCluster:
             host.name,
             str(config),
             " ".join(str(Path(pwd.getpwnam("root").pw_dir) / name) for name in HIDDEN_DOTFILES),
+            str(self.hosts_file),
         ]
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         host.sshd_pid = proc.pid

@@ -225,6 +225,14 @@ def estimate(
     # ZeRO-3 model states
     if choice.offload_param:
         host["params (pinned)"] = pinned_bytes(p * shard)
+        # zero.Init first pins each parameter's partition on its own (partition_parameters.py),
+        # then ZeRO-3 copies them into the flat buffer above; the freed pinned blocks stay
+        # in PyTorch's caching host allocator, each rounded up to a power of two.
+        host["per-tensor pinned partitions (zero.Init)"] = sum(
+            pinned_bytes(p * math.ceil(numel / world_size))
+            for numel in shape.weight_numels()
+            if numel > b.persistence  # small ones persist on the GPU
+        )
     else:
         gpu["params"] = p * shard
     if choice.offload_optimizer:

@@ -208,6 +208,17 @@ class ModelShape:
         norms = 2 * h
         return attention + mlp + norms
 
+    def weight_numels(self) -> list[int]:
+        """Element counts of every parameter tensor, in model order (embedding, layers, norm, head)."""
+        h, q, kv, i = self.hidden_size, self.q_dim, self.kv_dim, self.intermediate_size
+        layer = [h, h * q, h * kv, h * kv, q * h, h, h * i, h * i, i * h]  # norms, q/k/v/o, norm, MLP
+        if self.qkv_bias:
+            layer += [q, kv, kv]
+        if self.qk_norm:
+            layer += [self.head_dim, self.head_dim]
+        head = [] if self.tied_embeddings else [self.embedding_params]
+        return [self.embedding_params, *layer * self.num_layers, h, *head]
+
     @property
     def small_params_per_layer(self) -> int:
         """Norm weights and biases: below ZeRO-3's persistence threshold, kept whole on every GPU."""

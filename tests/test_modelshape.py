@@ -174,6 +174,7 @@ def test_parameter_count_equals_transformers(key):
     shape = shape_from_config(config, name=key, source="test")
     assert shape.total_params == sum(p.numel() for p in unique)
     assert shape.largest_layer_params == max(p.numel() for p in unique)
+    assert sorted(shape.weight_numels()) == sorted(p.numel() for p in unique)
     small = sum(p.numel() for p in unique if p.dim() == 1)
     assert shape.num_layers * shape.small_params_per_layer + shape.hidden_size == small
 

@@ -102,6 +102,7 @@ def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_pa
     code = 1
     try:
         os.setsid()  # leave the SSH session's process group: a closed session must not kill training
+        _become_subreaper()
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # release the SSH channel, which waits for EOF on our stdout
@@ -117,12 +118,35 @@ def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_pa
             state = {"pid": proc.pid, "supervisor": os.getpid(), "started": time.time(), "exit_code": None}
             _write_state(state_path, state)
             returncode = proc.wait()
+            # torchrun starts each worker in its own session: if the launcher died
+            # first (killed, or a rank ended its node), its workers are now ours.
+            _kill_orphans()
             # Like a shell and docker: death by signal N is 128+N.
             state.update(exit_code=128 - returncode if returncode < 0 else returncode, finished=time.time())
             _write_state(state_path, state)
             code = 0
     finally:
         os._exit(code)
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants are re-parented to us, not to init, so none can outlive the rank."""
+    import ctypes
+
+    pr_set_child_subreaper = 36  # <linux/prctl.h>
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+def _kill_orphans() -> None:
+    me = os.getpid()
+    for pid in _descendants(me):
+        if pid != me:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG) != (0, 0):
+            pass
 
 
 def status(args: argparse.Namespace) -> int:
@@ -168,20 +192,47 @@ def follow(args: argparse.Namespace) -> int:
             time.sleep(0.25)
 
 
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it, from /proc (torchrun starts each worker in its own
+    session, so killing the launcher's process group alone would orphan the workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The command name may hold spaces and parentheses: the ppid follows the last ')'.
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
 def stop(args: argparse.Namespace) -> int:
     _, state_path = _paths(args.job_dir, args.rank)
     state = _read_state(state_path) or {}
     pid = state.get("pid")
     if not pid or state.get("exit_code") is not None:
         return 0
+    # Collect the tree before signalling: once the launcher dies its workers are re-parented.
+    tree = _descendants(pid)
     # SIGTERM first: torchrun forwards it to the ranks, which can exit cleanly.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
+    _signal_all(tree, signal.SIGTERM)
     deadline = time.monotonic() + args.grace
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and any(_alive(p) for p in tree):
         time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+    _signal_all([p for p in tree if _alive(p)], signal.SIGKILL)
     # Wait for the supervisor to record the exit code (it reaps the launcher).
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (_read_state(state_path) or {}).get("exit_code") is None:

@@ -86,9 +86,9 @@ def _last_error_line(record: JobRecord, pool: HostPool, rank: int) -> str | None
         return None
     lines = [x.strip() for x in (result.stdout + "\n" + result.stderr).splitlines() if x.strip()]
     for line in reversed(lines):
-        if any(word in line for word in ("Error", "error:", "Exception", "FAILED", "Killed", "dzctl")):
+        if any(word in line for word in ("Error", "error:", "Exception", "FAILED", "Killed", "dzctl gang")):
             return line[-400:]
-    return lines[-1][-400:] if lines else None
+    return None  # nothing in the log says why: the exit code will (e.g. 137, killed)
 
 
 def stop_nodes(record: JobRecord, pool: HostPool, *, remove: bool, ranks: list[int] | None = None) -> dict:

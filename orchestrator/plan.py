@@ -239,6 +239,9 @@ def _docker_run(
     # Host networking: NCCL needs the real NICs (and IB); bridge NAT breaks rendezvous.
     # Host IPC: NCCL's shared-memory transport needs more than Docker's 64 MiB /dev/shm.
     argv += ["--network", "host", "--ipc", "host", *DOCKER_ULIMITS]
+    # An init as PID 1: it reaps zombies, forwards signals, and lets a rank end its
+    # node by killing the launcher (PID 1 itself cannot be killed from inside).
+    argv.append("--init")
     if gpus:
         # The inner quotes are part of the value: docker parses --gpus as CSV, and
         # the comma between device ids must not split it.

@@ -37,10 +37,7 @@ class JobStatus:
     first_failure: dict | None
 
     def to_dict(self) -> dict:
-        data = asdict(self)
-        for node in data["nodes"]:
-            node.pop("finished_at")
-        return data
+        return asdict(self)
 
 
 def node_failed(node: NodeStatus) -> bool:

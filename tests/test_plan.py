@@ -21,7 +21,7 @@ def _docker_argv(rank: int, master: str, env: dict[str, str], env_file: bool = F
         "docker", "run", "--detach", "--name", f"dzctl-{JOB_ID}-{rank}",
         "--label", "dzctl.job=qwen72b", "--label", f"dzctl.job-id={JOB_ID}", "--label", f"dzctl.node-rank={rank}",
         "--network", "host", "--ipc", "host",
-        "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
+        "--ulimit", "memlock=-1", "--ulimit", "stack=67108864", "--init",
         "--gpus", '"device=0,1,2,3"',
         *(("--env-file", f"/var/tmp/dzctl/jobs/{JOB_ID}/env") if env_file else ()),
         *(item for key, value in sorted(env.items()) for item in ("--env", f"{key}={value}")),

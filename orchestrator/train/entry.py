@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0
         reason = _one_line(exc)
+        # Tell the other nodes now, rather than after they miss this node's heartbeat.
+        from .gang import report_failure
+
+        report_failure(reason)
         if isinstance(exc, DzError):
             print(f"error: {exc.message}", file=sys.stderr)
             if exc.fix:
@@ -106,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                 log.write("error", reason=reason, rank=_rank())
             except OSError as write_error:
                 print(f"error: cannot write {log.path}: {write_error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from .gang import end_node
+
+        end_node(code)  # multi-node: ends the node now (see gang.end_node); otherwise returns
         return code
 
 

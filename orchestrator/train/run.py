@@ -34,7 +34,7 @@ from transformers import set_seed as hf_set_seed
 from .. import dsconfig
 from ..errors import InputError
 from ..spec import LoadedJob
-from . import checkpoints, data
+from . import checkpoints, data, gang
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
 
@@ -130,9 +130,15 @@ def prepare_cpu_distributed() -> None:
     ``TrainingArguments`` then use this configured state.
     """
     import deepspeed
+    import deepspeed.comm.torch as ds_comm
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (C++, 1.5 to 5
+    # minutes on 2 cores, and a compiler in the image) at its first process group.
+    # It speeds up CPU inference collectives; training here runs on gloo without it.
+    if hasattr(ds_comm, "build_shm_op"):
+        ds_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     state = PartialState(cpu=True, backend="gloo")
     state.distributed_type = DistributedType.DEEPSPEED
@@ -420,6 +426,7 @@ def train(
     _check_vocab(config, len(tokenizer), loaded)
     dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
+    gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     model = build_model(loaded, config, settings.precision)
     callback = ProgressCallback(log, ranks, save=save)
@@ -463,4 +470,5 @@ def train(
         )
     if math.isnan(getattr(result, "training_loss", 0.0) or 0.0):
         raise RuntimeError("training loss is NaN")
+    gang.finish()  # this node's part is done: its silence from now on is not a failure
     return final_dir

@@ -1,0 +1,159 @@
+"""End to end on real test hosts: launch, status, logs, stop, gang failure, resume.
+
+Two hosts, each its own network namespace with its own sshd (and dockerd for the
+docker runtime), one rank per host, real DeepSpeed ZeRO-3 on CPU over gloo,
+rendezvous across the bridge. The process runtime runs the trainer from this
+checkout's virtualenv (the hosts share this machine's filesystem, like nodes
+on NFS); the docker runtime runs the CPU image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+class Controller:
+    """Runs the real dzctl CLI against one cluster, with its own DZCTL_HOME."""
+
+    def __init__(self, cluster, tmp_path: Path, runtime: str, image: str | None = None) -> None:
+        self.cluster = cluster
+        self.runtime = runtime
+        self.home = tmp_path / "home"
+        self.hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", slots=1)
+        # Per-host paths: the test hosts share one filesystem.
+        self.remote = f"/var/tmp/dzctl-e2e-{cluster.cid}"
+        self.sets = [
+            f"launch.remote_dir={self.remote}/{{host}}",
+            "launch.master_port=29611",
+            "train.save_steps=4",
+            f"runtime={runtime}",
+        ]
+        if runtime == "process":
+            # The venv dzctl runs from: torch, DeepSpeed and this checkout, on every host.
+            self.sets.append(f"launch.python={sys.executable}")
+        if image:
+            self.sets.append(f"image={image}")
+
+    def dzctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        env = {**os.environ, "DZCTL_HOME": str(self.home), "PYTHONPATH": str(ROOT)}
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=timeout
+        )
+
+    def launch(self, *extra: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
+        sets = [item for s in [*self.sets, f"train.max_steps={steps}"] for item in ("--set", s)]
+        return self.dzctl(
+            "launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--hosts", str(self.hostfile),
+            "--ssh-config", str(self.cluster.ssh_config), *sets, *extra, timeout=timeout,
+        )  # fmt: skip
+
+    def kill_node(self, host) -> None:
+        """SIGKILL everything of the job on one host, as a lost node or `docker kill` would."""
+        if self.runtime == "docker":
+            self.cluster.run_in(host, ["docker", "kill", "--signal", "KILL", f"dzctl-{self.job_id()}-1"])
+            return
+        # The launcher and its workers, not the supervisor: it records the exit code (137).
+        pattern = rf"^\S+ (-m torch\.distributed\.run|-u -m orchestrator\.train) .*{self.remote}/{host.name}/jobs/"
+        subprocess.run(["pkill", "-9", "-f", pattern], check=True)
+
+    def job_id(self) -> str:
+        return self.status()["job_id"]
+
+    def status(self, job: str = "tiny-cpu") -> dict:
+        result = self.dzctl("status", job, "--ssh-config", str(self.cluster.ssh_config), "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def output_dir(self, host_index: int) -> Path:
+        return Path(f"{self.remote}/{self.cluster.hosts[host_index].name}/output/tiny-cpu")
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.status()
+            if predicate(status):
+                return status
+            time.sleep(2)
+        pytest.fail(f"timed out after {timeout:g} s waiting for {what}; last status: {status}")
+
+
+def _progress_events(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(params=["process"])
+def controller(request, cluster, tmp_path):
+    runtime = request.param
+    hosts = cluster(2, docker=runtime == "docker")
+    return Controller(hosts, tmp_path, runtime)
+
+
+def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controller):
+    result = controller.launch("--follow", "--json", steps=6)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = json.loads(result.stdout)
+    assert final["state"] == "succeeded"
+    # Every node's output reached the controller, prefixed with rank and host.
+    for rank, host in enumerate(controller.cluster.hosts):
+        assert f"[{rank} {host.name}] " in result.stderr
+    status = controller.status()
+    assert status["state"] == "succeeded"
+    assert [(n["node_rank"], n["state"], n["exit_code"]) for n in status["nodes"]] == [
+        (0, "exited", 0),
+        (1, "exited", 0),
+    ]
+    assert status["progress"]["step"] == 6 and status["progress"]["max_steps"] == 6
+    assert status["first_failure"] is None
+    model = controller.output_dir(0) / "model"
+    assert (model / "config.json").is_file()
+    assert list(model.glob("*.safetensors")), f"no consolidated weights in {model}"
+
+
+def test_a_killed_node_stops_the_other_within_30_s_and_status_names_it(controller):
+    result = controller.launch("--detach", steps=100000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    controller.wait_for(lambda s: (s["progress"] or {}).get("step", 0) >= 2, 600, "training to reach step 2")
+    victim = controller.cluster.hosts[1]
+    killed_at = time.time()
+    controller.kill_node(victim)
+    status = controller.wait_for(
+        lambda s: s["state"] == "failed" and s["nodes"][0]["state"] == "exited", 120, "gang stop"
+    )
+    # When node 0 ended, by its own record (docker's FinishedAt, or the supervisor's).
+    assert status["nodes"][0]["finished_at"] - killed_at < 30
+    assert status["first_failure"]["node_rank"] == 1
+    assert status["first_failure"]["exit_code"] == 137
+    assert status["nodes"][0]["exit_code"] != 0
+
+
+def test_stop_leaves_nothing_running_and_a_relaunch_resumes(controller):
+    result = controller.launch("--detach", steps=100000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    progress = controller.output_dir(0) / "progress.jsonl"
+    deadline = time.monotonic() + 600
+    while not (progress.exists() and any(e["event"] == "checkpoint" for e in _progress_events(progress))):
+        assert time.monotonic() < deadline, "no checkpoint within 600 s"
+        time.sleep(2)
+    saved = max(e["step"] for e in _progress_events(progress) if e["event"] == "checkpoint")
+    stopped = controller.dzctl("stop", "tiny-cpu", "--ssh-config", str(controller.cluster.ssh_config))
+    assert stopped.returncode == 0, stopped.stderr
+    status = controller.status()
+    assert status["state"] == "stopped"
+    assert all(n["state"] != "running" for n in status["nodes"])
+    for host in controller.cluster.hosts:
+        left = subprocess.run(["pgrep", "-f", f"{controller.remote}/{host.name}/jobs"], capture_output=True, text=True)
+        assert left.stdout.strip() == "", f"processes of the stopped job remain on {host.name}"
+    relaunch = controller.launch("--follow", steps=saved + 2)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    starts = [e for e in _progress_events(progress) if e["event"] == "start"]
+    assert starts[-1]["step"] >= saved, f"the relaunch started at {starts[-1]['step']}, not from checkpoint {saved}"

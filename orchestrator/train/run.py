@@ -129,14 +129,17 @@ def prepare_cpu_distributed() -> None:
     let accelerate read it as multi-CPU, then mark that shared state as DeepSpeed;
     ``TrainingArguments`` then use this configured state.
     """
+    import importlib
+
     import deepspeed
-    import deepspeed.comm.torch as ds_comm
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (C++, 1.5 to 5
     # minutes on 2 cores, and a compiler in the image) at its first process group.
     # It speeds up CPU inference collectives; training here runs on gloo without it.
+    # (importlib: the package attribute deepspeed.comm.torch is torch itself, not the module.)
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
     if hasattr(ds_comm, "build_shm_op"):
         ds_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

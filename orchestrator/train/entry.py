@@ -11,8 +11,10 @@ imported (DeepSpeed reads ``DS_ACCELERATOR`` at import).
   Default: ``train.output_dir``, else ``<launch.remote_dir>/output/<name>`` with
   ``{host}`` in ``remote_dir`` replaced by this machine's host name
   (``socket.gethostname()``, which with ``--network host`` is the node's).
-- ``--set KEY=VALUE``: spec overrides, as for dzctl (the controller passes the
-  planner's choices this way, e.g. ``--set train.gradient_checkpointing=true``).
+- ``--set KEY=VALUE``: spec overrides, as for dzctl. (``dzctl launch`` writes the
+  planner's choices into the job.yaml it ships, so it needs none.) The trainer
+  takes micro-batch, accumulation and precision from the DeepSpeed config, and
+  gradient checkpointing from the spec (``auto``: on for GPUs, off on CPU).
 - ``--no-save``: no checkpoints, no final model (throughput benchmarks only).
 
 Exit codes: 0 done; 2 bad input (spec, data, ds_config, a checkpoint that cannot

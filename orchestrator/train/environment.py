@@ -18,7 +18,7 @@ def early_defaults(accelerator: str, env: MutableMapping[str, str] | None = None
         # A rank that hits an NCCL error or timeout aborts instead of hanging the
         # whole job in a collective forever (the silent hang of the field).
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        # DeepSpeed JIT-builds ops (CPU Adam, the CPU shm collective) into this cache.
+        # DeepSpeed JIT-builds ops (CPU Adam for optimizer offload) into this cache.
         # The job directory is mounted read-only, and $HOME may not be writable in a
         # container; a fixed path under the temp dir is both writable and reused by
         # later runs in the same container or host.

@@ -317,14 +317,24 @@ def run_build(
     for chunk in stream:
         progress.feed(chunk)
     if progress.error:
-        lines = "\n".join(f"  | {line}" for line in progress.tail)
-        raise BuildFailed(
-            f"build failed at {progress.describe()}\n{lines}\n{progress.error}",
-            fix="fix the failing step above; rerun with the same options (finished steps are cached)",
-        )
+        raise failure(progress, build_args(request))
     if not progress.image_id:
         raise BuildFailed(f"the daemon finished the build at {progress.describe()} without naming an image")
     return progress.image_id
+
+
+def failure(progress: BuildProgress, args: dict[str, str]) -> BuildFailed:
+    """The error for a failed build: the step (build args filled in), its last lines, a fix (pure)."""
+    step = progress.step
+    used = {name: value for name, value in args.items() if f"${{{name}}}" in step or f"${name}" in step}
+    where = progress.describe() + (f"  ({', '.join(f'{k}={v}' for k, v in used.items())})" if used else "")
+    lines = "".join(f"\n  | {line}" for line in progress.tail if line.strip())
+    if progress.step.upper().startswith("FROM") and "BASE_IMAGE" in used:
+        fix = f"the base image {used['BASE_IMAGE']} is neither in the local daemon nor pullable: docker load/pull it, "
+        fix += "or pass --base-image with one that is"
+    else:
+        fix = "fix the failing step above; rerun with the same options (finished steps are cached)"
+    return BuildFailed(f"build failed at {where}{lines}\n{progress.error}", fix=fix)
 
 
 def probe_versions(client, image_id: str) -> dict[str, str]:

@@ -240,15 +240,16 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
         " 'transformers': transformers.__version__, 'version': orchestrator.__version__,"
         " 'cuda': torch.version.cuda or 'cpu'}))"
     )
-    ran = docker_cli(["run", "--rm", "--network", "host", CPU_TAG, "python", "-c", script], local_docker_url)
+    # By ID, not tag: other test sessions on this machine may re-tag dzctl-test/cpu meanwhile.
+    image_id = cpu_image["image_id"]
+    ran = docker_cli(["run", "--rm", "--network", "host", image_id, "python", "-c", script], local_docker_url)
     assert ran.returncode == 0, ran.stderr[-2000:]
     inside = json.loads(ran.stdout.strip().splitlines()[-1])
-    inspected = docker_cli(
-        ["image", "inspect", "--format", "{{json .Config.Labels}} {{.Id}}", CPU_TAG], local_docker_url
-    )
-    labels_json, image_id = inspected.stdout.strip().rsplit(" ", 1)
+    fmt = "{{json .Config.Labels}} {{.Id}}"
+    inspected = docker_cli(["image", "inspect", "--format", fmt, image_id], local_docker_url)
+    labels_json, inspected_id = inspected.stdout.strip().rsplit(" ", 1)
     labels = json.loads(labels_json)
-    assert image_id == cpu_image["image_id"]
+    assert inspected_id == image_id
     for key, value in inside.items():
         assert labels[f"dzctl.{key}"] == value, key
     assert labels["dzctl.cuda"] == "cpu" and "+cpu" in labels["dzctl.torch"]
@@ -265,11 +266,12 @@ def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image, local
         "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=True);"
         "import importlib.util; assert importlib.util.find_spec('orchestrator.train'); print('ok')"
     )
-    ran = docker_cli(["run", "--rm", "--network", "host", CPU_TAG, "python", "-c", script], local_docker_url)
+    image_id = cpu_image["image_id"]
+    ran = docker_cli(["run", "--rm", "--network", "host", image_id, "python", "-c", script], local_docker_url)
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.strip().endswith("ok")
     assert "Building extension" not in ran.stdout + ran.stderr
-    helped = docker_cli(["run", "--rm", CPU_TAG, "python", "-m", "orchestrator.train", "--help"], local_docker_url)
+    helped = docker_cli(["run", "--rm", image_id, "python", "-m", "orchestrator.train", "--help"], local_docker_url)
     assert helped.returncode == 0, helped.stderr[-2000:]
 
 
@@ -314,5 +316,5 @@ def test_build_failure_names_the_step_without_traceback(local_docker_url):
     assert "Traceback" not in done.stderr
     assert "error: build failed at step 2/" in done.stderr
     assert "FROM ${BASE_IMAGE} AS system" in done.stderr
-    assert "dzctl-test/no-such-base" in done.stderr
-    assert "fix:" in done.stderr
+    assert "(BASE_IMAGE=dzctl-test/no-such-base:1)" in done.stderr
+    assert "fix: the base image dzctl-test/no-such-base:1 is neither in the local daemon nor pullable" in done.stderr

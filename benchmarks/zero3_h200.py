@@ -173,6 +173,10 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
     workdir = Path(args.work) / tag
     shutil.rmtree(workdir, ignore_errors=True)
     spec = job_spec(name, args.model, args.seq, steps, accelerator, args.logging_steps)
+    from orchestrator.spec import apply_override
+
+    for item in args.set:
+        apply_override(spec, item)
     choice = plan_and_write(name, spec, workdir, args.nproc, gpu_mem_gib)
     print(f"== {tag}: {cfg['label']}: {json.dumps(choice)}", flush=True)
     env = dict(
@@ -195,7 +199,7 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
     events = [json.loads(x) for x in (workdir / "output" / "progress.jsonl").read_text().splitlines() if x.strip()]
     end = next((e for e in events if e["event"] == "end"), None)
     result = {"name": tag, "label": cfg["label"] + args.tag, "model": args.model, "seq": args.seq, "nproc": args.nproc}
-    result.update(logging_steps=args.logging_steps, env=args.env)
+    result.update(logging_steps=args.logging_steps, env=args.env, overrides=args.set)
     result.update(choice, exit_code=code, warmup=cfg["warmup"])
     if end is None:
         result["error"] = next((e.get("reason") for e in events if e["event"] == "error"), "no end event")
@@ -263,6 +267,7 @@ def main() -> int:
     run.add_argument("--logging-steps", type=int, default=1, help="train.logging_steps (each log syncs the GPU)")
     run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra trainer environment")
     run.add_argument("--tag", default="", help="suffix for this run's output names")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job spec override")
     show = sub.add_parser("table")
     show.add_argument("results", nargs="+", type=Path)
     args = parser.parse_args()

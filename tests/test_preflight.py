@@ -51,7 +51,8 @@ def test_gpu_job_reaches_every_host_and_fails_gpu_checks_with_fixes(cluster, tmp
         checks = {c["name"]: c for c in host["checks"]}
         assert set(checks["ssh"]) == {"name", "status", "detail", "fix"}
         assert checks["ssh"]["status"] == "ok"
-        assert checks["docker"]["status"] == "ok" and "cgroup driver cgroupfs" in checks["docker"]["detail"]
+        assert checks["docker"]["status"] == "ok", checks["docker"]
+        assert "cgroup driver cgroupfs" in checks["docker"]["detail"]
         for name in GPU_CHECKS:
             assert checks[name]["status"] == "fail" and checks[name]["fix"], checks[name]
         assert "install the NVIDIA driver" in checks["nvidia-smi"]["fix"]

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from ..errors import RemoteError
+from ..errors import DzError, RemoteError
 from ..hostfile import Node
 from ..plan import LaunchPlan, make_plan
 from ..spec import JobSpec, LoadedJob
@@ -229,7 +229,10 @@ def _master_target(spec: JobSpec, pool: HostPool, first: str) -> str | None:
         return spec.launch.master_addr
     if first in ("localhost", "127.0.0.1", "::1"):
         return None
-    return pool.resolve(first).hostname
+    try:
+        return pool.resolve(first).hostname
+    except DzError:
+        return None  # its ssh check already says what is wrong with its config entry
 
 
 def choose_master(

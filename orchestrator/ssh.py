@@ -55,6 +55,7 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 DEFAULT_SSH_CONFIG = "~/.ssh/config"
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 CHUNK = 1 << 16
+NO_EXIT_STATUS = -1  # what paramiko reports when no exit-status arrived
 
 OutputCallback = Callable[[bytes], None]
 Stdin = bytes | IO[bytes] | None
@@ -81,9 +82,19 @@ class Result:
         if self.exit_code != 0:
             tail = (self.stderr or self.stdout).strip()[-2000:]
             raise RemoteError(
-                f"{self.host}: `{shlex.join(self.argv)}` exited {self.exit_code}" + (f": {tail}" if tail else "")
+                f"{self.host}: `{shlex.join(self.argv)}` {self.how_it_ended}" + (f": {tail}" if tail else "")
             )
         return self
+
+    @property
+    def how_it_ended(self) -> str:
+        if self.exit_code == NO_EXIT_STATUS:
+            # sshd sends exit-signal instead of exit-status for a command killed by a signal
+            # (paramiko does not decode it), and nothing when the session is torn down.
+            return "ended without an exit status (killed by a signal, or the session dropped)"
+        if self.exit_code < 0:
+            return f"was killed by signal {-self.exit_code}"  # subprocess's convention, local hosts
+        return f"exited {self.exit_code}"
 
 
 class GroupResult(dict):

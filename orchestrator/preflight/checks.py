@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..errors import RemoteError
-from ..plan import DOCKER_ULIMITS, LaunchPlan, NodePlan
+from ..plan import LaunchPlan, NodePlan, docker_ulimits
 from ..spec import JobSpec
 from ..ssh import Connection, Result
 from . import parsers as p
@@ -136,7 +136,7 @@ def _missing(result: Result) -> bool:
 
 def _tail(result: Result, limit: int = 300) -> str:
     text = (result.stderr.strip() or result.stdout.strip()).splitlines()
-    return " ".join(text[-3:])[:limit] if text else f"exit code {result.exit_code}"
+    return " ".join(text[-3:])[:limit] if text else result.how_it_ended
 
 
 # -- network identity ----------------------------------------------------------
@@ -441,7 +441,7 @@ def check_image(conn: Connection, ctx: Context, facts: Facts) -> Check:
 
 def check_container(conn: Connection, ctx: Context, facts: Facts) -> list[Check]:
     """One throwaway container with the launch's own flags: limits, torch, GPUs and NCCL inside."""
-    argv = ["docker", "run", "--rm", "--network", "host", "--ipc", "host", *DOCKER_ULIMITS]
+    argv = ["docker", "run", "--rm", "--network", "host", "--ipc", "host", *docker_ulimits(ctx.spec)]
     if ctx.gpu:
         argv += ["--gpus", '"device=' + ",".join(map(str, ctx.node.gpus)) + '"', "--env", "DZ_NCCL_TEST=1"]
     argv += ["--entrypoint", "sh", ctx.spec.image, "-c", CONTAINER_SCRIPT, "sh", PYTHON_PROBE]

@@ -18,15 +18,19 @@ from .hostfile import Node
 from .spec import JobSpec, is_secret_name, parse_mount
 
 CONTAINER_JOB_DIR = "/job"  # the job directory, mounted read-only in every container
-DOCKER_ULIMITS = (
-    # Unlimited locked memory: NCCL/IB register (pin) buffers with ibv_reg_mr and
-    # fail with "ibv_reg_mr failed" under Docker's 64 KiB default.
-    "--ulimit",
-    "memlock=-1",
-    # The 64 MiB stack NVIDIA's PyTorch containers recommend.
-    "--ulimit",
-    "stack=67108864",
-)
+# The 64 MiB stack NVIDIA's PyTorch containers recommend.
+STACK_ULIMIT = ("--ulimit", "stack=67108864")
+# Unlimited locked memory: NCCL/IB register (pin) buffers with ibv_reg_mr and fail
+# with "ibv_reg_mr failed" under Docker's 64 KiB default. GPU jobs only: gloo on
+# CPU pins nothing, and a daemon that may not raise memlock (a locked-down host,
+# these test machines) could not start the container at all.
+MEMLOCK_ULIMIT = ("--ulimit", "memlock=-1")
+
+
+def docker_ulimits(spec: JobSpec) -> tuple[str, ...]:
+    return (*MEMLOCK_ULIMIT, *STACK_ULIMIT) if spec.accelerator == "gpu" else STACK_ULIMIT
+
+
 MASK = "***"
 
 
@@ -238,7 +242,7 @@ def _docker_run(
     argv += ["--label", f"dzctl.node-rank={rank}"]
     # Host networking: NCCL needs the real NICs (and IB); bridge NAT breaks rendezvous.
     # Host IPC: NCCL's shared-memory transport needs more than Docker's 64 MiB /dev/shm.
-    argv += ["--network", "host", "--ipc", "host", *DOCKER_ULIMITS]
+    argv += ["--network", "host", "--ipc", "host", *docker_ulimits(spec)]
     # An init as PID 1: it reaps zombies, forwards signals, and lets a rank end its
     # node by killing the launcher (PID 1 itself cannot be killed from inside).
     argv.append("--init")

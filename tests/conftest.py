@@ -75,3 +75,26 @@ def base_image(local_docker_url):
     from baseimage import ensure_base_image
 
     return ensure_base_image(docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900))
+
+
+# -- end to end (issue 6): the CPU image, built once per session --------------------------------
+@pytest.fixture(scope="session")
+def cpu_image_tag(local_docker_url, base_image):
+    """The CPU flavour built from this checkout by `dzctl build`; its tag on the local daemon."""
+    import json
+    import subprocess
+    import sys
+
+    from test_image import CPU_TAG, cpu_build_args
+
+    env = {**os.environ, "DOCKER_HOST": local_docker_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *cpu_build_args(base_image)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    json.loads(done.stdout)
+    return CPU_TAG

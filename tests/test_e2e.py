@@ -25,14 +25,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 class Controller:
     """Runs the real dzctl CLI against one cluster, with its own DZCTL_HOME."""
 
-    def __init__(self, cluster, tmp_path: Path, runtime: str, image: str | None = None) -> None:
+    def __init__(
+        self, cluster, tmp_path: Path, runtime: str, image: str | None = None, docker_host: str | None = None
+    ) -> None:
         self.cluster = cluster
+        self.docker_host = docker_host
         self.runtime = runtime
         self.home = tmp_path / "home"
         self.hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", slots=1)
         # Per-host paths: the test hosts share one filesystem.
         self.remote = f"/var/tmp/dzctl-e2e-{cluster.cid}"
+        # One name per test: tests share hosts, and a job name runs once at a time.
+        self.job = f"e2e-{runtime}-{tmp_path.name[-12:]}".lower().replace("_", "-")
         self.sets = [
+            f"name={self.job}",
             f"launch.remote_dir={self.remote}/{{host}}",
             "launch.master_port=29611",
             "train.save_steps=4",
@@ -46,6 +52,8 @@ class Controller:
 
     def dzctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         env = {**os.environ, "DZCTL_HOME": str(self.home), "PYTHONPATH": str(ROOT)}
+        if self.docker_host:
+            env["DOCKER_HOST"] = self.docker_host
         return subprocess.run(
             [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, env=env, timeout=timeout
         )
@@ -66,16 +74,24 @@ class Controller:
         pattern = rf"^\S+ (-m torch\.distributed\.run|-u -m orchestrator\.train) .*{self.remote}/{host.name}/jobs/"
         subprocess.run(["pkill", "-9", "-f", pattern], check=True)
 
+    def leftovers(self, host) -> str:
+        """What of the job still runs on a host: container names, or process ids."""
+        if self.runtime == "docker":
+            argv = ["docker", "ps", "--all", "--quiet", "--filter", f"label=dzctl.job={self.job}"]
+            return self.cluster.run_in(host, argv).stdout.strip()
+        argv = ["pgrep", "-f", f"{self.remote}/{host.name}/jobs"]
+        return subprocess.run(argv, capture_output=True, text=True).stdout.strip()
+
     def job_id(self) -> str:
         return self.status()["job_id"]
 
-    def status(self, job: str = "tiny-cpu") -> dict:
-        result = self.dzctl("status", job, "--ssh-config", str(self.cluster.ssh_config), "--json")
+    def status(self) -> dict:
+        result = self.dzctl("status", self.job, "--ssh-config", str(self.cluster.ssh_config), "--json")
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 
     def output_dir(self, host_index: int) -> Path:
-        return Path(f"{self.remote}/{self.cluster.hosts[host_index].name}/output/tiny-cpu")
+        return Path(f"{self.remote}/{self.cluster.hosts[host_index].name}/output/{self.job}")
 
     def wait_for(self, predicate, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
@@ -91,11 +107,38 @@ def _progress_events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-@pytest.fixture(params=["process"])
-def controller(request, cluster, tmp_path):
-    runtime = request.param
-    hosts = cluster(2, docker=runtime == "docker")
-    return Controller(hosts, tmp_path, runtime)
+@pytest.fixture(scope="module")
+def process_hosts(tmp_path_factory):
+    from conftest import require_test_hosts
+    from testhosts import TestCluster
+
+    require_test_hosts()
+    with TestCluster(2, workdir=tmp_path_factory.mktemp("hosts")) as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def docker_hosts(tmp_path_factory, cpu_image_tag):
+    from conftest import require_test_hosts
+    from testhosts import TestCluster
+
+    require_test_hosts(docker=True)
+    with TestCluster(2, docker=True, workdir=tmp_path_factory.mktemp("hosts")) as hosts:
+        yield hosts, cpu_image_tag
+
+
+@pytest.fixture(params=["docker", "process"])
+def controller(request, tmp_path):
+    """A controller on two hosts; the hosts (and their loaded image) are shared by a module's tests."""
+    if request.param == "docker":
+        hosts, image = request.getfixturevalue("docker_hosts")
+        # The controller's `docker save` (for distribution) talks to the local daemon.
+        local = request.getfixturevalue("local_docker_url")
+        controller = Controller(hosts, tmp_path, "docker", image=image, docker_host=local)
+    else:
+        controller = Controller(request.getfixturevalue("process_hosts"), tmp_path, "process")
+    yield controller
+    controller.dzctl("stop", controller.job, "--ssh-config", str(controller.cluster.ssh_config))
 
 
 def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controller):
@@ -145,14 +188,13 @@ def test_stop_leaves_nothing_running_and_a_relaunch_resumes(controller):
         assert time.monotonic() < deadline, "no checkpoint within 600 s"
         time.sleep(2)
     saved = max(e["step"] for e in _progress_events(progress) if e["event"] == "checkpoint")
-    stopped = controller.dzctl("stop", "tiny-cpu", "--ssh-config", str(controller.cluster.ssh_config))
+    stopped = controller.dzctl("stop", controller.job, "--ssh-config", str(controller.cluster.ssh_config))
     assert stopped.returncode == 0, stopped.stderr
     status = controller.status()
     assert status["state"] == "stopped"
     assert all(n["state"] != "running" for n in status["nodes"])
     for host in controller.cluster.hosts:
-        left = subprocess.run(["pgrep", "-f", f"{controller.remote}/{host.name}/jobs"], capture_output=True, text=True)
-        assert left.stdout.strip() == "", f"processes of the stopped job remain on {host.name}"
+        assert controller.leftovers(host) == "", f"the stopped job left something on {host.name}"
     relaunch = controller.launch("--follow", steps=saved + 2)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     starts = [e for e in _progress_events(progress) if e["event"] == "start"]

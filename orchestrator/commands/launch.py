@@ -78,12 +78,15 @@ def launch_command(
         click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))
         return
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
-        report = _preflight(job, nodes, pool, as_json)
+        report = run_preflight(job, nodes, pool)
+        if job.spec.runtime == "docker" and not no_distribute and _image_missing(report):
+            # The one failure launch repairs itself: ship the image, then check again.
+            _distribute(job, nodes, pool, as_json)
+            report = run_preflight(job, nodes, pool)
+        _require_preflight(report, as_json)
         gpu_mem = _min_reading(report, "gpu_mem_gib")
         host_mem = _min_reading(report, "host_mem_gib")
         resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem)
-        if job.spec.runtime == "docker" and not no_distribute:
-            _distribute_if_missing(job, nodes, pool, report)
         plan = make_plan(
             job.spec,
             nodes,
@@ -133,9 +136,12 @@ def _min_reading(report, name: str) -> float | None:
     return values
 
 
-def _preflight(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool):
+def _image_missing(report) -> bool:
+    return any(check.name == "image" for _, check in report.failures())
+
+
+def _require_preflight(report, quiet: bool) -> None:
     """The same checks as `dzctl preflight`; nothing starts unless every node passes."""
-    report = run_preflight(job, nodes, pool)
     if not report.ok or not quiet:
         print_report(report, Console(stderr=True, highlight=False, soft_wrap=True))
     if not report.ok:
@@ -145,13 +151,13 @@ def _preflight(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool):
             "nothing was started",
             fix="apply the fixes listed above, then launch again",
         )
-    return report
 
 
-def _distribute_if_missing(job: LoadedJob, nodes: list[Node], pool: HostPool, report) -> None:
+def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool) -> None:
     from ..distribute import distribute_image
 
-    result = distribute_image(job.spec.image, [n.host for n in nodes], pool)
+    _note(quiet, f"distributing {job.spec.image} to the nodes that lack it")
+    result = distribute_image(job.spec.image, nodes, pool)
     result.raise_on_failure()
 
 

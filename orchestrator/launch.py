@@ -12,8 +12,10 @@ The order (each step on all nodes in parallel, each step finished before the nex
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError, RemoteError, RuntimeFailure
@@ -34,6 +36,21 @@ UPLOAD_TIMEOUT_S = 600
 class Started:
     job_id: str
     hosts: list[str]
+
+
+@dataclass
+class Phases:
+    """Seconds spent in each launch phase, for --json and benchmarks/launch_overhead.py."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.monotonic() - started, 3)
 
 
 def refuse_or_replace_running(job: LoadedJob, store: JobStore, pool: HostPool, *, replace: bool) -> None:
@@ -118,8 +135,11 @@ def start_job(
     spec_record: dict,
     ssh_config: str | None,
     replace: bool,
+    phases: Phases | None = None,
 ) -> Started:
-    refuse_or_replace_running(job, store, pool, replace=replace)
+    phases = phases or Phases()
+    with phases.timed("refuse_running"):
+        refuse_or_replace_running(job, store, pool, replace=replace)
     hosts = [n.host for n in plan.nodes]
     store.add(
         job_id=plan.job_id,
@@ -132,11 +152,13 @@ def start_job(
         ssh_config=ssh_config,
     )
     try:
-        upload(job, plan, files, pool)
+        with phases.timed("upload"):
+            upload(job, plan, files, pool)
     except Exception:
         store.set_state(plan.job_id, "failed", reason="upload failed")
         raise
-    _, errors = start_nodes(plan, pool)
+    with phases.timed("start_nodes"):
+        _, errors = start_nodes(plan, pool)
     if errors:
         record = store.get(plan.job_id)
         # Stop what did start, and remove what a failed `docker run` may have created.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import secrets as pysecrets
 import sys
 import time
@@ -14,7 +15,7 @@ from ..dsconfig import Resolved
 from ..errors import RuntimeFailure
 from ..hostfile import Node, ResourceFilter, load_nodes
 from ..jobfiles import job_files, resolved_spec, secret_env
-from ..launch import start_job
+from ..launch import Phases, start_job
 from ..memory import nodes_description, plan_for_job, require_fit
 from ..options import hosts_options, job_options, json_option, load_job_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
@@ -24,6 +25,8 @@ from ..spec import LoadedJob, read_env_file
 from ..ssh import HostPool
 from ..store import JobStore
 from .follow import follow_job
+
+log = logging.getLogger(__name__)
 
 
 def new_job_id(name: str, now: float | None = None) -> str:
@@ -77,16 +80,22 @@ def launch_command(
         plan = make_plan(job.spec, nodes, job_id, secret_names=tuple(secrets))
         click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))
         return
+    phases = Phases()
+    started_at = time.monotonic()
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
-        report = run_preflight(job, nodes, pool)
+        with phases.timed("preflight"):
+            report = run_preflight(job, nodes, pool)
         if job.spec.runtime == "docker" and not no_distribute and _image_missing(report):
             # The one failure launch repairs itself: ship the image, then check again.
-            _distribute(job, nodes, pool, as_json)
-            report = run_preflight(job, nodes, pool)
+            with phases.timed("distribute"):
+                _distribute(job, nodes, pool, as_json)
+            with phases.timed("preflight"):
+                report = run_preflight(job, nodes, pool)
         _require_preflight(report, as_json)
         gpu_mem = _min_reading(report, "gpu_mem_gib")
         host_mem = _min_reading(report, "host_mem_gib")
-        resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem)
+        with phases.timed("memory_plan"):
+            resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem)
         plan = make_plan(
             job.spec,
             nodes,
@@ -106,13 +115,17 @@ def launch_command(
                 spec_record=resolved_spec(job, plan, plan.nodes[0], resolved),
                 ssh_config=ssh_config,
                 replace=replace,
+                phases=phases,
             )
+            phases.seconds["total_to_running"] = round(time.monotonic() - started_at, 3)
+            log.debug("launch phases: %s", phases.seconds)
             _note(as_json, f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
             if follow is None:
                 follow = sys.stdout.isatty() and not as_json
             if not follow:
                 if as_json:
-                    click.echo(json.dumps({"job": plan.job, "job_id": plan.job_id, "state": "running"}))
+                    running = {"job": plan.job, "job_id": plan.job_id, "state": "running", "phases_s": phases.seconds}
+                    click.echo(json.dumps(running))
                 return
             status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json)
     if as_json:

@@ -94,10 +94,9 @@ def main() -> int:
     for index, (wall, ph, share) in enumerate(rows):
         print(f"{index:>3} {wall:7.2f} {ph.get('preflight', 0):9.2f} {ph.get('memory_plan', 0):6.2f} "
               f"{ph.get('upload', 0):7.2f} {ph.get('start_nodes', 0):10.2f} {share:11.2f}")  # fmt: skip
-    median = statistics.median(r[2] for r in rows)
-    print(
-        f"\nmedian dzctl share: {median:.2f} s (target < 3 s); median wall: {statistics.median(r[0] for r in rows):.2f} s"
-    )
+    share = statistics.median(r[2] for r in rows)
+    wall = statistics.median(r[0] for r in rows)
+    print(f"\nmedian dzctl share: {share:.2f} s (target < 3 s); median wall: {wall:.2f} s")
     return 0
 
 

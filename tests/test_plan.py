@@ -121,8 +121,8 @@ def test_gpu_subset_and_process_runtime():
     assert node.argv == (
         "python3", "-m", "orchestrator.nodeexec", "start", "--job-dir", "/var/tmp/dzctl/jobs/j-1", "--rank", "0",
         "--env", "CUDA_VISIBLE_DEVICES=1,3", "--env", "DZCTL_JOB=qwen3-8b", "--env", "DZCTL_JOB_ID=j-1",
-        "--env", "DZCTL_NODE_RANK=0", "--env", "DZCTL_NUM_NODES=1", "--env", "HF_HOME=/data/hf", "--env", "PYTHONUNBUFFERED=1",
-        "--env", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "--env", "DZCTL_NODE_RANK=0", "--env", "DZCTL_NUM_NODES=1", "--env", "HF_HOME=/data/hf",
+        "--env", "PYTHONUNBUFFERED=1", "--env", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
         "--",
         "python3", "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0", "--nproc_per_node", "2",
         "--master_addr", "gpu-node-2", "--master_port", "29500", "-m", "orchestrator.train",

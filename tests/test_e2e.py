@@ -199,3 +199,31 @@ def test_stop_leaves_nothing_running_and_a_relaunch_resumes(controller):
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     starts = [e for e in _progress_events(progress) if e["event"] == "start"]
     assert starts[-1]["step"] >= saved, f"the relaunch started at {starts[-1]['step']}, not from checkpoint {saved}"
+
+
+def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(process_hosts, tmp_path):
+    """SIGKILL dzctl once the first node runs: status reconciles, stop cleans, a relaunch is not refused."""
+    controller = Controller(process_hosts, tmp_path, "process")
+    sets = [item for s in [*controller.sets, "train.max_steps=100000"] for item in ("--set", s)]
+    env = {**os.environ, "DZCTL_HOME": str(controller.home), "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"),
+            "--hosts", str(controller.hostfile), "--ssh-config", str(controller.cluster.ssh_config),
+            "--detach", *sets]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_node = Path(f"{controller.remote}/{controller.cluster.hosts[0].name}/jobs")
+    deadline = time.monotonic() + 300
+    while not list(first_node.glob("*/rank-0.json")):
+        assert proc.poll() is None, "launch ended before a node started"
+        assert time.monotonic() < deadline, "no node started within 300 s"
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    status = controller.status()
+    assert status["state"] in ("pending", "running"), status
+    stopped = controller.dzctl("stop", controller.job, "--ssh-config", str(controller.cluster.ssh_config))
+    assert stopped.returncode == 0, stopped.stderr
+    for host in controller.cluster.hosts:
+        assert controller.leftovers(host) == "", f"the killed launch left something on {host.name}"
+    assert controller.status()["state"] == "stopped"
+    relaunch = controller.launch("--follow", steps=2)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]

@@ -24,6 +24,8 @@ recomputation is not counted (as is usual for MFU).
     python3 benchmarks/zero3_h200.py run auto seed --out DIR      # on the GPU machine
     python3 benchmarks/zero3_h200.py table DIR/auto.json DIR/seed.json
     python3 benchmarks/zero3_h200.py run auto --model tiny --steps 4 --out /tmp/b   # CPU smoke run
+    python3 benchmarks/zero3_h200.py run auto --tag _x --trainer-arg logging_nan_inf_filter=false --out DIR
+        # an A/B of a Hugging Face TrainingArguments value (through benchmarks/trainer_args.py)
 """
 
 from __future__ import annotations
@@ -183,13 +185,19 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
         os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     env.update(item.split("=", 1) for item in args.env)
+    trainer_args = trainer_overrides(args.trainer_arg)
     # NVLink multicast stays off on shared hosts (it can wedge the host's GPUs for everyone).
     for var in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
         env.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
     env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    # With Trainer overrides: the same entry point through benchmarks/trainer_args.py.
+    entry = ["-m", "orchestrator.train"]
+    if trainer_args:
+        env["DZCTL_BENCH_TRAINER_ARGS"] = json.dumps(trainer_args)
+        entry = [str(ROOT / "benchmarks" / "trainer_args.py")]
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-        "--master_port", str(args.port), "-m", "orchestrator.train", str(workdir / "job.yaml"),
+        "--master_port", str(args.port), *entry, str(workdir / "job.yaml"),
         "--output-dir", str(workdir / "output"), "--no-save",
     ]  # fmt: skip
     out = Path(args.out)
@@ -199,7 +207,7 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
     events = [json.loads(x) for x in (workdir / "output" / "progress.jsonl").read_text().splitlines() if x.strip()]
     end = next((e for e in events if e["event"] == "end"), None)
     result = {"name": tag, "label": cfg["label"] + args.tag, "model": args.model, "seq": args.seq, "nproc": args.nproc}
-    result.update(logging_steps=args.logging_steps, env=args.env, overrides=args.set)
+    result.update(logging_steps=args.logging_steps, env=args.env, overrides=args.set, trainer_args=trainer_args)
     result.update(choice, exit_code=code, warmup=cfg["warmup"])
     if end is None:
         result["error"] = next((e.get("reason") for e in events if e["event"] == "error"), "no end event")
@@ -227,6 +235,20 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
         )
     (out / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+def trainer_overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` pairs of ``TrainingArguments`` overrides; a VALUE is JSON (``false``, ``10``, ``{...}``)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--trainer-arg {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value  # a bare string
+    return out
 
 
 def table(results: list[dict]) -> str:
@@ -268,6 +290,9 @@ def main() -> int:
     run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra trainer environment")
     run.add_argument("--tag", default="", help="suffix for this run's output names")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job spec override")
+    run.add_argument(
+        "--trainer-arg", action="append", default=[], metavar="KEY=JSON", help="HF TrainingArguments override"
+    )
     show = sub.add_parser("table")
     show.add_argument("results", nargs="+", type=Path)
     args = parser.parse_args()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import signal
 import string
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -369,10 +370,20 @@ def test_hostile_yaml_structures_fail_fast_and_located(tmp_path, text):
     (Plain tests, not hypothesis examples: hypothesis traces example runs, and a
     stack this deep inside its tracer fails in the tracer, not in the code under test.)
     """
+    # The CLI runs with CPython's default recursion limit; hypothesis raises it while
+    # its tests run, and with a much higher limit this nesting overflows the C stack
+    # instead of raising RecursionError. Test what users run.
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
     job = tmp_path / "job.yaml"
     job.write_text(text, encoding="utf-8")
-    with no_hang(10), pytest.raises(SpecError) as caught:
-        load_job(job)
+    try:
+        # 60 s: these take well under a second on an idle machine, several on a loaded
+        # 2-core CI box; without the fixes the alias bomb ran for hours and the nesting crashed.
+        with no_hang(60), pytest.raises(SpecError) as caught:
+            load_job(job)
+    finally:
+        sys.setrecursionlimit(previous)
     _assert_spec_error(caught.value, str(job), text)
 
 

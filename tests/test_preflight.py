@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -180,15 +179,6 @@ def test_host_keys_unknown_refused_trusted_with_flag_changed_refused(cluster, tm
     assert report[hosts.hosts[0].name]["checks"][0]["status"] == "ok"
 
 
-def _dockerd_can_grant_memlock() -> bool:
-    """Whether a dockerd started by this process can give containers unlimited memlock."""
-    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
-    caps = int(
-        next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("CapEff")).split()[1], 16
-    )
-    return hard == resource.RLIM_INFINITY or bool(caps & (1 << 24))  # CAP_SYS_RESOURCE
-
-
 def _busybox_image(host_docker: str, workdir: Path, tag: str) -> str:
     """A tiny real image (busybox: sh, df, ls; no Python) imported into one daemon; returns its ID."""
     root = workdir / "rootfs"
@@ -240,19 +230,15 @@ def test_docker_runtime_image_checks_on_real_daemons(cluster, tmp_path):
         checks = report.host(host.name)
         assert checks.check("image").status == "ok"
         runtime = checks.check("image-runtime")
-        if not _dockerd_can_grant_memlock():
-            # This sandbox's root lacks CAP_SYS_RESOURCE and dockerd inherits an 8 MiB memlock hard limit, so
-            # `docker run --ulimit memlock=-1` (the launch's flags) really fails here: preflight must say so.
-            assert runtime.status == "fail" and "memlock" in runtime.detail, render_report(report)
-            assert "LimitMEMLOCK=infinity" in runtime.fix
-        else:
-            limits = checks.check("shm-memlock")
-            # Measured inside a real container started with the launch's flags (--ipc host, memlock=-1).
-            assert limits.status == "ok" and "in the container" in limits.detail, render_report(report)
-            assert "memlock unlimited" in limits.detail
-            assert runtime.status == "fail" and "dzctl build" in runtime.fix  # busybox has no Python/torch
+        limits = checks.check("shm-memlock")
+        # Measured inside a real container started with the launch's flags (--ipc host; a CPU job asks for
+        # no memlock, which these test daemons could not grant: this sandbox lacks CAP_SYS_RESOURCE).
+        assert limits.status == "ok" and "in the container: /dev/shm" in limits.detail, render_report(report)
+        assert runtime.status == "fail" and "not found" in runtime.detail  # busybox has no Python/torch
+        assert "dzctl build" in runtime.fix
         assert checks.check("same-everywhere").status == "ok" and "image ID" in checks.check("same-everywhere").detail
         gpu = gpu_report.host(host.name)
+        assert gpu.check("image-runtime"), render_report(gpu_report)
         assert gpu.check("image-runtime").status == "fail"  # `docker run --gpus` cannot work without the toolkit
         assert "NVIDIA Container Toolkit" in gpu.check("image-runtime").fix
     assert not report.ok

@@ -527,7 +527,8 @@ def _unmount_under(root: Path) -> None:
         mounts = Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
         return
-    targets = [line.split()[1] for line in mounts if line.split()[1].startswith(str(root))]
+    # root itself or below it: a bare prefix test would also hit a sibling like ".../hosts10" for ".../hosts1".
+    targets = [t for t in (line.split()[1] for line in mounts) if t == str(root) or t.startswith(f"{root}/")]
     for target in sorted(targets, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 

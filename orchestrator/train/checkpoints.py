@@ -11,8 +11,13 @@ a checkpoint cut short by a crash lacks it, or lacks shards, and is never resume
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,10 @@ MODEL_SHARD = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
 
 class CheckpointError(InputError):
     """A checkpoint cannot be resumed as asked (wrong world size, incomplete, missing)."""
+
+
+class SaveFailed(RuntimeFailure):
+    """A checkpoint could not be written (the disk full, above all); its incomplete folder was removed."""
 
 
 class IncompleteWeights(RuntimeFailure):
@@ -133,6 +142,104 @@ def write_marker(checkpoint_dir: Path, world_size: int, step: int) -> None:
     tmp = checkpoint_dir / (MARKER + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(checkpoint_dir / MARKER)  # atomic: a reader sees all of it or nothing
+    # A save has worked again: an earlier failure's note is history.
+    (checkpoint_dir.parent / SAVE_FAILED_NOTE).unlink(missing_ok=True)
+
+
+SAVE_FAILED_NOTE = "dzctl-save-failed.json"
+# A write that failed with this little left was the disk filling up. torch.save reports
+# ENOSPC as a bare RuntimeError ("unexpected pos ...", "iostream error"), with no errno.
+LOW_SPACE_BYTES = 1 << 20
+
+
+def remove_incomplete(path: Path) -> bool:
+    """Delete a ``checkpoint-N`` folder that lacks the completeness marker; never one that has it."""
+    if not CHECKPOINT_DIR.match(path.name) or not path.is_dir() or (path / MARKER).exists():
+        return False
+    shutil.rmtree(path, ignore_errors=True)  # another rank may be removing it too
+    return not path.exists()
+
+
+def disk_full(exc: BaseException, directory: Path) -> bool:
+    """Whether a failed write was the filesystem (or quota) running out of space."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < LOW_SPACE_BYTES
+
+
+def save_failed(path: Path, exc: BaseException, run_id: str | None = None) -> SaveFailed:
+    """Clean up after a failed save of checkpoint ``path`` and say why, the same on every rank of this node.
+
+    Every local rank writing to one folder may fail at once (each hits the full
+    disk), or fail later because a peer that failed has gone. Under an exclusive
+    lock on the output folder, the first to come here judges the cause (before
+    anything is freed), removes the incomplete folder (the space it held lets the
+    ``error`` event be written) and leaves its verdict in a note; the others of
+    this launch adopt the note, so their ``error`` events name the real cause, not
+    "connection closed by peer". A folder with the marker is complete: it is kept.
+    """
+    output_dir = path.parent
+    run_id = run_id if run_id is not None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.getppid()}"
+    note = output_dir / SAVE_FAILED_NOTE
+    fd = os.open(output_dir, os.O_RDONLY)  # flock needs no space on the disk
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            earlier = json.loads(note.read_text(encoding="utf-8"))
+            if earlier["run"] == run_id and earlier["checkpoint"] == str(path):
+                return SaveFailed(earlier["message"], fix=earlier["fix"])
+        full = disk_full(exc, output_dir)
+        space = _space(output_dir)  # before the removal: what the failed write saw
+        removed = remove_incomplete(path)
+        kept = (path / MARKER).exists()
+        previous = [c for c in list_checkpoints(output_dir) if c.complete and c.path != path]
+        resume = f"resume: auto continues from {previous[-1].path.name}" if previous else "no complete checkpoint yet"
+        cause = f"No space left on device on {output_dir} ({space})" if full else _first_line(exc)
+        fate = f"{path.name} is complete and kept" if kept else f"the incomplete {path.name} was removed"
+        message = f"saving checkpoint {path} failed: {cause}; {fate}; {resume}"
+        if full:
+            need = f" (a checkpoint here takes {_size(previous[-1].path)})" if previous else ""
+            fix = f"free space on {output_dir}{need} or lower train.save_total_limit, then relaunch"
+        else:
+            fix = "see this rank's log above for the failed write, then relaunch"
+        with contextlib.suppress(OSError):  # no room even now: stderr still says it all
+            tmp = output_dir / f"{SAVE_FAILED_NOTE}.{os.getpid()}"
+            text = {"run": run_id, "checkpoint": str(path), "message": message, "fix": fix, "removed": removed}
+            tmp.write_text(json.dumps(text), encoding="utf-8")
+            tmp.replace(note)
+        return SaveFailed(message, fix=fix)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _space(directory: Path) -> str:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return "free space unknown"
+    return f"{_mib(stat.f_bavail * stat.f_frsize)} free of {_mib(stat.f_blocks * stat.f_frsize)}"
+
+
+def _size(folder: Path) -> str:
+    return _mib(sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:

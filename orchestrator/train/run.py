@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,16 @@ class DzTrainer(Trainer):
         self.samples_seen += ids.shape[0]
         return super().training_step(model, inputs, *args, **kwargs)
 
+    def _save_checkpoint(self, model, trial):
+        # A save that fails (a full disk above all) must not leave a half-written
+        # checkpoint-N beside the good ones: see checkpoints.save_failed.
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as exc:
+            traceback.print_exc()  # the original failure, for the rank's log
+            path = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            raise checkpoints.save_failed(path, exc) from exc
+
 
 class ProgressCallback(TrainerCallback):
     """Turns Trainer events into ``progress.jsonl`` lines (rank 0) and completes checkpoints (all ranks)."""
@@ -317,6 +328,15 @@ class ProgressCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        try:
+            self._complete(path, state)
+        except Exception as exc:
+            # The marker could not be written (disk full), or a rank waiting here saw
+            # a peer fail its save: the same cleanup and cause as in DzTrainer._save_checkpoint.
+            traceback.print_exc()
+            raise checkpoints.save_failed(path, exc) from exc
+
+    def _complete(self, path: Path, state) -> None:
         # Every rank has written its shards and RNG state only once all reach here.
         if torch.distributed.is_initialized():
             torch.distributed.barrier()

@@ -190,9 +190,8 @@ def save_failed(path: Path, exc: BaseException, run_id: str | None = None) -> Sa
     output_dir = path.parent
     run_id = run_id if run_id is not None else f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.getppid()}"
     note = output_dir / SAVE_FAILED_NOTE
-    fd = os.open(output_dir, os.O_RDONLY)  # flock needs no space on the disk
+    fd = _lock(output_dir)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             earlier = json.loads(note.read_text(encoding="utf-8"))
             if earlier["run"] == run_id and earlier["checkpoint"] == str(path):
@@ -218,7 +217,20 @@ def save_failed(path: Path, exc: BaseException, run_id: str | None = None) -> Sa
             tmp.replace(note)
         return SaveFailed(message, fix=fix)
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _lock(directory: Path) -> int | None:
+    """An exclusive flock on the folder itself (it needs no space on the full disk); None where not possible."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return None  # the folder is gone: nothing to clean up, nothing to share
+    # A filesystem without flock (some network mounts): judge alone rather than fail here.
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def _first_line(exc: BaseException) -> str:

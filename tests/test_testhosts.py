@@ -41,9 +41,11 @@ def test_stop_and_start_sshd(cluster):
     hosts = cluster(1)
     host = hosts.hosts[0]
     hosts.stop_sshd(host)
-    assert "Connection refused" in _ssh(hosts, host, "true").stderr
+    refused = _ssh(hosts, host, "true")
+    assert "Connection refused" in refused.stderr, refused
     hosts.start_sshd(host)
-    assert _ssh(hosts, host, "hostname").stdout.strip() == host.name
+    back = _ssh(hosts, host, "hostname")
+    assert back.stdout.strip() == host.name, back
 
 
 def test_teardown_removes_namespaces_links_and_processes(tmp_path):

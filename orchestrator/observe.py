@@ -9,7 +9,7 @@ from collections.abc import Callable
 from .errors import RemoteError
 from .nodeops import NodeState, inspect_argv, logs_argv, parse_inspect, progress_argv, remove_argv, stop_argv
 from .ssh import HostPool
-from .status import JobStatus, derive_state, first_failure, node_failed, node_status, parse_progress
+from .status import JobStatus, derive_state, error_on_node, first_failure, node_status, parse_progress
 from .store import JobRecord
 
 INSPECT_TIMEOUT_S = 30
@@ -48,21 +48,23 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
     states = node_states(record, pool)
     nodes = [node_status(n["host"], n["node_rank"], states[n["node_rank"]]) for n in record.plan["nodes"]]
     rank0 = record.plan["nodes"][0]
-    progress = age = error = None
+    progress = age = None
+    errors: list[dict] = []
     try:
         result = pool.connection(rank0["host"]).run(progress_argv(rank0["output_dir"]), timeout=INSPECT_TIMEOUT_S)
         if result.exit_code == 0:
-            progress, age, error = parse_progress(result.stdout)
+            progress, age, errors = parse_progress(result.stdout, job_id=record.job_id)
     except RemoteError:
         pass  # the node states already say the host is unreachable
     reasons: dict[int, str] = {}
-    failed = [n for n in nodes if node_failed(n)]
-    if failed:
-        first = first_failure(nodes, {})
-        reasons[first["node_rank"]] = _last_error_line(record, pool, first["node_rank"]) or (
-            error if first["node_rank"] == 0 else None
-        )
-        reasons = {k: v for k, v in reasons.items() if v}
+    first = first_failure(nodes, {})
+    if first is not None:
+        rank = first["node_rank"]
+        slots = [n["slots"] for n in record.plan["nodes"]]
+        # The trainer's own error event says it best; else the rank's log; else the exit code.
+        reason = error_on_node(errors, slots, rank) or _last_error_line(record, pool, rank)
+        if reason:
+            reasons[rank] = reason
     state = derive_state(record.state, nodes)
     return JobStatus(
         job=record.name,

@@ -89,11 +89,17 @@ def describe_exit(node: NodeStatus) -> str:
     return f"exited with code {node.exit_code}"
 
 
-def parse_progress(text: str, now: float | None = None) -> tuple[dict | None, float | None, str | None]:
-    """From progress.jsonl: the latest progress, the age of its last line, and an error event's reason."""
+def parse_progress(
+    text: str, now: float | None = None, job_id: str | None = None
+) -> tuple[dict | None, float | None, list[dict]]:
+    """From progress.jsonl: the latest progress, the age of its last line, and the error events.
+
+    ``job_id``: keep only that job's lines (the trainer stamps each with
+    DZCTL_JOB_ID): an output dir reused by a relaunch holds earlier runs' lines.
+    """
     last_step: dict | None = None
     last_time: float | None = None
-    error: str | None = None
+    errors: list[dict] = []
     for line in text.splitlines():
         try:
             event = json.loads(line)
@@ -101,8 +107,11 @@ def parse_progress(text: str, now: float | None = None) -> tuple[dict | None, fl
             continue  # a line being written as we read
         if not isinstance(event, dict):
             continue
-        if isinstance(event.get("time"), (int, float)):
-            last_time = float(event["time"])
+        if job_id is not None and event.get("job_id") != job_id:
+            continue
+        stamp = event.get("time")
+        if isinstance(stamp, (int, float)):
+            last_time = float(stamp)
         if event.get("event") == "step":
             last_step = event
         elif event.get("step") is not None and event.get("event") in ("start", "checkpoint", "end"):
@@ -111,7 +120,7 @@ def parse_progress(text: str, now: float | None = None) -> tuple[dict | None, fl
             last_step = {**(last_step or {}), "step": event["step"], "max_steps": event.get("max_steps"),
                          "event": event["event"]}  # fmt: skip
         if event.get("event") == "error":
-            error = str(event.get("reason") or event.get("error") or event.get("message") or "error")
+            errors.append({"rank": event.get("rank"), "reason": str(event.get("reason") or "error")})
     progress = None
     if last_step is not None:
         progress = {
@@ -123,7 +132,17 @@ def parse_progress(text: str, now: float | None = None) -> tuple[dict | None, fl
             "event": last_step.get("event"),
         }
     age = None if last_time is None else max(0.0, (now if now is not None else time.time()) - last_time)
-    return progress, age, error
+    return progress, age, errors
+
+
+def error_on_node(errors: list[dict], slots: list[int], node_rank: int) -> str | None:
+    """The first error event written by a rank of this node (global ranks follow node order)."""
+    first = sum(slots[:node_rank])
+    mine = range(first, first + slots[node_rank])
+    for error in errors:
+        if isinstance(error.get("rank"), int) and error["rank"] in mine:
+            return error["reason"]
+    return None
 
 
 def node_status(host: str, rank: int, state: NodeState) -> NodeStatus:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from orchestrator.nodeops import parse_inspect
-from orchestrator.status import NodeStatus, derive_state, first_failure, parse_progress
+from orchestrator.status import NodeStatus, derive_state, error_on_node, first_failure, parse_progress
 
 
 def node(rank, state, exit_code=None, finished=None, oom=False):
@@ -54,10 +54,25 @@ def test_progress_from_the_last_step_and_the_error_reason():
         {"event": "error", "time": 111.0, "reason": "CUDA out of memory"},
     ]
     text = "\n".join(json.dumps(x) for x in lines) + '\n{"event": "st'  # a line being written
-    progress, age, error = parse_progress(text, now=121.0)
+    progress, age, errors = parse_progress(text, now=121.0)
     assert progress == {"step": 5, "max_steps": 30, "loss": 2.5, "tokens_per_s": 900.0, "eta_s": 50, "event": "step"}
     assert age == 10.0
-    assert error == "CUDA out of memory"
+    assert errors == [{"rank": None, "reason": "CUDA out of memory"}]
+    # A relaunch into the same output dir: the earlier run's lines are not this job's progress.
+    mine = json.dumps({"event": "start", "time": 130.0, "step": 0, "max_steps": 9, "job_id": "j-2"})
+    assert parse_progress(text + "\n" + mine, now=131.0, job_id="j-2") == (
+        {"step": 0, "max_steps": 9, "loss": None, "tokens_per_s": None, "eta_s": None, "event": "start"},
+        1.0,
+        [],
+    )
+
+
+def test_error_events_are_matched_to_the_node_of_their_rank():
+    errors = [{"rank": 3, "reason": "gloo: connection reset"}, {"rank": 1, "reason": "CUDA out of memory"}]
+    # Two nodes of 2 slots: ranks 0-1 on node 0, 2-3 on node 1.
+    assert error_on_node(errors, [2, 2], 0) == "CUDA out of memory"
+    assert error_on_node(errors, [2, 2], 1) == "gloo: connection reset"
+    assert error_on_node(errors, [1, 1], 0) is None
 
 
 def test_docker_inspect_parsing():

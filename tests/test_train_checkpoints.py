@@ -78,6 +78,8 @@ def test_resume_other_world_size_refused_with_conversion(tmp_path):
     assert f"--input_folder {path / 'global_step10'}" in err.value.fix
     assert "load_universal: true" in err.value.fix
     assert err.value.exit_code == 2
+    # Once converted (zero.overrides.checkpoint.load_universal), the same checkpoint is taken.
+    assert checkpoints.choose_resume("auto", tmp_path, 2, load_universal=True).path == path
 
 
 def test_resume_explicit_path(tmp_path):

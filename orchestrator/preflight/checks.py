@@ -426,7 +426,7 @@ def check_image(conn: Connection, ctx: Context, facts: Facts) -> Check:
         return fail(
             "image",
             f"image {image} not on this node",
-            "dzctl distribute JOB --hosts FILE (ships the image by ID), or build it here with dzctl build",
+            "dzctl distribute IMAGE --hosts FILE (ships the image by ID), or build it here with dzctl build",
         )
     try:
         data = json.loads(result.stdout)

@@ -383,7 +383,7 @@ def same_everywhere(hosts: list[str], facts: dict[str, c.Facts], spec: JobSpec) 
     for host in hosts:
         if differences[host]:
             fix = (
-                "dzctl distribute JOB --hosts FILE ships one image ID everywhere"
+                "dzctl distribute IMAGE --hosts FILE ships one image ID everywhere"
                 if spec.runtime == "docker"
                 else "install the same versions on every node"
             ) + "; align NVIDIA driver versions across nodes"

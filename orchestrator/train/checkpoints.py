@@ -95,11 +95,15 @@ def list_checkpoints(output_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def choose_resume(resume: str, output_dir: Path, world_size: int) -> Checkpoint | None:
+def choose_resume(
+    resume: str, output_dir: Path, world_size: int, *, load_universal: bool = False
+) -> Checkpoint | None:
     """The checkpoint to continue from: ``auto`` (newest complete, or none), ``never``, or a path.
 
     Refuses, before any model is built, a checkpoint written by another number of
     data-parallel ranks: DeepSpeed would otherwise fail deep inside loading.
+    ``load_universal`` (``zero.overrides.checkpoint.load_universal``): the user
+    converted it with ds_to_universal, which loads on any number of ranks.
     """
     if resume == "never":
         return None
@@ -115,7 +119,7 @@ def choose_resume(resume: str, output_dir: Path, world_size: int) -> Checkpoint 
         chosen = inspect(path)
         if not chosen.complete:
             raise CheckpointError(f"train.resume: {path} is incomplete: {chosen.problem}", fix="resume an older one")
-    if chosen.world_size != world_size:
+    if chosen.world_size != world_size and not load_universal:
         raise CheckpointError(
             f"checkpoint {chosen.path} was written by {chosen.world_size} data-parallel ranks; "
             f"this run has {world_size}. ZeRO-3 shards only load on the same number of ranks.",

@@ -43,6 +43,9 @@ def make_event(event: str, **values: Any) -> dict[str, Any]:
     record: dict[str, Any] = dict.fromkeys(KEYS)
     record["event"] = event
     record["time"] = round(time.time(), 3)
+    if os.environ.get("DZCTL_JOB_ID"):
+        # A relaunch appends to the same file: status keeps only its own job's lines.
+        record["job_id"] = os.environ["DZCTL_JOB_ID"]
     record.update(values)
     return record
 

@@ -433,7 +433,8 @@ def train(
     ranks = Ranks.from_env()
     spec = loaded.spec
     settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
-    resume = checkpoints.choose_resume(spec.train.resume, output_dir, ranks.world_size)
+    universal = (spec.zero.overrides.get("checkpoint") or {}).get("load_universal") is True
+    resume = checkpoints.choose_resume(spec.train.resume, output_dir, ranks.world_size, load_universal=universal)
     if ranks.rank == 0:
         print(
             f"dzctl-train: {ranks.world_size} ranks, micro-batch {settings.micro_batch_size}, "

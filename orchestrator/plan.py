@@ -73,6 +73,7 @@ def make_plan(
     secret_names: tuple[str, ...] = (),
     master_addr: str | None = None,
     interfaces: dict[str, str] | None = None,
+    infiniband_hosts: frozenset[str] = frozenset(),
 ) -> LaunchPlan:
     """Plan a job on ``nodes`` (in rank order).
 
@@ -80,12 +81,24 @@ def make_plan(
     needed here). ``master_addr`` / ``interfaces``: what preflight found (the
     address rank 0 is reached at, each node's NIC toward it); without them the
     first node's name is the master, as written in the hostfile.
+    ``infiniband_hosts``: nodes where preflight found IB verbs devices; their
+    containers get ``/dev/infiniband`` so NCCL can use IB/RoCE instead of TCP.
     """
     interfaces = interfaces or {}
     master = master_addr or (spec.launch.master_addr if spec.launch.master_addr != "auto" else nodes[0].host)
     secrets = tuple(sorted({*secret_names, *(n for n in spec.launch.env if is_secret_name(n))}))
     planned = tuple(
-        _plan_node(spec, node, rank, len(nodes), job_id, master, secrets, interfaces.get(node.host))
+        _plan_node(
+            spec,
+            node,
+            rank,
+            len(nodes),
+            job_id,
+            master,
+            secrets,
+            interfaces.get(node.host),
+            node.host in infiniband_hosts,
+        )
         for rank, node in enumerate(nodes)
     )
     return LaunchPlan(
@@ -122,6 +135,7 @@ def _plan_node(
     master: str,
     secrets: tuple[str, ...],
     interface: str | None,
+    infiniband: bool,
 ) -> NodePlan:
     job_dir = f"{remote_dir_for(spec, node.host)}/jobs/{job_id}"
     output_dir = output_dir_for(spec, node.host)
@@ -131,7 +145,9 @@ def _plan_node(
     if spec.runtime == "docker":
         command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{CONTAINER_JOB_DIR}/job.yaml", "docker")
         name = container_name(job_id, rank)
-        argv = _docker_run(spec, job_id, rank, name, gpus, job_dir, output_dir, visible_env, bool(secrets), command)
+        argv = _docker_run(
+            spec, job_id, rank, name, gpus, job_dir, output_dir, visible_env, bool(secrets), command, infiniband
+        )
     else:
         command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{job_dir}/job.yaml", "process")
         name = None
@@ -236,6 +252,7 @@ def _docker_run(
     env: dict[str, str],
     has_secrets: bool,
     command: tuple[str, ...],
+    infiniband: bool = False,
 ) -> tuple[str, ...]:
     argv = ["docker", "run", "--detach", "--name", name]
     argv += ["--label", f"dzctl.job={spec.name}", "--label", f"dzctl.job-id={job_id}"]
@@ -250,6 +267,10 @@ def _docker_run(
         # The inner quotes are part of the value: docker parses --gpus as CSV, and
         # the comma between device ids must not split it.
         argv += ["--gpus", '"device=' + ",".join(map(str, gpus)) + '"']
+    if infiniband:
+        # The verbs devices, not --privileged: NCCL's IB transport needs only these
+        # (plus the unlimited memlock above) to register memory with the HCA.
+        argv += ["--device", "/dev/infiniband"]
     if has_secrets:
         argv += ["--env-file", f"{job_dir}/env"]
     for key, value in env.items():

@@ -172,3 +172,16 @@ def test_dry_run_json_for_the_mission_example():
         assert argv[argv.index("--master_addr") + 1] == data["master_addr"]
         assert argv[argv.index("--master_port") + 1] == str(data["master_port"])
         assert {"host", "node_rank", "slots", "gpus", "argv", "env"} <= set(node)
+
+
+def test_infiniband_nodes_get_the_verbs_devices_and_nothing_more():
+    job = load_job(ROOT / "jobs/qwen72b.yaml")
+    plan = make_plan(
+        job.spec, load_nodes(ROOT / "hostfiles/2x4.txt"), JOB_ID, infiniband_hosts=frozenset({"gpu-node-2"})
+    )
+    with_ib, without = plan.nodes[1].argv, plan.nodes[0].argv
+    at = with_ib.index("--device")
+    assert with_ib[at : at + 2] == ("--device", "/dev/infiniband")
+    assert with_ib[:at] + with_ib[at + 2 :] == _docker_argv(1, "gpu-node-1", _env(1))
+    assert without == _docker_argv(0, "gpu-node-1", _env(0))
+    assert "--privileged" not in with_ib

@@ -101,8 +101,9 @@ def launch_command(
             nodes,
             job_id,
             secret_names=tuple(secrets),
-            master_addr=getattr(report, "master_addr", None),
-            interfaces=getattr(report, "interfaces", None),
+            master_addr=report.master_addr,
+            interfaces=report.interfaces,
+            infiniband_hosts=frozenset(h for h, devices in report.infiniband.items() if devices),
         )
         files = {n.node_rank: job_files(job, plan, n, nodes, ds_config, resolved, secrets) for n in plan.nodes}
         with JobStore() as store:

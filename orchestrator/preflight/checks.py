@@ -122,6 +122,7 @@ class Facts:
     image_labels: dict[str, str] = field(default_factory=dict)
     env: dict = field(default_factory=dict)  # the Python probe's answer
     resolved_master: list[str] = field(default_factory=list)
+    infiniband: list[str] = field(default_factory=list)
     host_mem_bytes: int | None = None
     gpu_mem_mib: int | None = None  # the smallest of the GPUs the job uses
 
@@ -258,9 +259,13 @@ def check_disk(conn: Connection, ctx: Context) -> Check:
     return ok("disk", detail)
 
 
-def check_infiniband(conn: Connection, ctx: Context) -> Check:
+def check_infiniband(conn: Connection, ctx: Context, facts: Facts | None = None) -> Check:
     result = _run(conn, ["ls", "/dev/infiniband"])
-    return infiniband_check(result.stdout.split() if result.ok else [], ctx)
+    devices = result.stdout.split() if result.ok else []
+    if facts is not None:
+        # Launch passes /dev/infiniband to the containers of nodes that have verbs devices.
+        facts.infiniband = [d for d in devices if d.startswith("uverbs")]
+    return infiniband_check(devices, ctx)
 
 
 def infiniband_check(devices: list[str], ctx: Context) -> Check:
@@ -269,12 +274,10 @@ def infiniband_check(devices: list[str], ctx: Context) -> Check:
     if not verbs:
         extra = f" ({', '.join(devices)} only)" if devices else ""
         return ok("infiniband", f"no InfiniBand verbs devices{extra}; NCCL will use TCP sockets")
-    if ctx.docker and "/dev/infiniband" not in " ".join(ctx.node.argv):
-        return warn(
-            "infiniband",
-            f"InfiniBand devices present ({', '.join(verbs)}) but not passed to the container: NCCL would use TCP",
-            "pass the devices to the container (docker run --device /dev/infiniband, --cap-add IPC_LOCK)",
-        )
+    if ctx.docker:
+        # launch reads these facts and adds --device /dev/infiniband for this node's container.
+        passed = "launch passes /dev/infiniband to the container"
+        return ok("infiniband", f"InfiniBand devices: {', '.join(verbs)}; {passed}")
     return ok("infiniband", f"InfiniBand devices: {', '.join(verbs)}")
 
 

@@ -70,6 +70,7 @@ class PreflightReport:
     # Per host, for the memory planner: the smallest GPU the job uses there, and RAM.
     gpu_mem_gib: dict[str, float] = field(default_factory=dict)
     host_mem_gib: dict[str, float] = field(default_factory=dict)
+    infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
 
     @property
     def ok(self) -> bool:
@@ -90,5 +91,6 @@ class PreflightReport:
             "interfaces": self.interfaces,
             "gpu_mem_gib": self.gpu_mem_gib,
             "host_mem_gib": self.host_mem_gib,
+            "infiniband": self.infiniband,
             "hosts": [h.to_dict() for h in self.hosts],
         }

@@ -171,6 +171,7 @@ def run_preflight(
         interfaces={h: interfaces[h] for h in hosts if h in interfaces},
         gpu_mem_gib={h: round(f.gpu_mem_mib / 1024, 1) for h, f in facts.items() if f.gpu_mem_mib},
         host_mem_gib={h: round(f.host_mem_bytes / 2**30, 1) for h, f in facts.items() if f.host_mem_bytes},
+        infiniband={h: f.infiniband for h, f in facts.items() if f.infiniband},
     )
 
 
@@ -186,7 +187,7 @@ def _node_checks(conn: Connection, ctx: c.Context, facts: c.Facts, master_target
     groups = [
         partial(c.safe, "hostname", c.check_identity, conn, ctx, facts, master_target),
         partial(c.safe, "disk", c.check_disk, conn, ctx),
-        partial(c.safe, "infiniband", c.check_infiniband, conn, ctx),
+        partial(c.safe, "infiniband", c.check_infiniband, conn, ctx, facts),
     ]
     if ctx.gpu:
         groups.append(partial(c.safe, "nvidia-smi", c.check_gpus, conn, ctx, facts))

@@ -58,20 +58,31 @@ def _read_env_file(path: str) -> dict[str, str]:
     return values
 
 
-def _alive(pid: int) -> bool:
+def _start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, /proc/PID/stat field 22), or None if gone.
+
+    With the pid it names one process for good: pids are reused (pid_max is
+    often 32768), and a stale pid must never get a signal meant for a rank.
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, ticks: int | None = None) -> bool:
+    started = _start_ticks(pid)
+    return started is not None and (ticks is None or started == ticks)
 
 
 def start(args: argparse.Namespace) -> int:
     log_path, state_path = _paths(args.job_dir, args.rank)
     previous = _read_state(state_path)
-    if previous and previous.get("exit_code") is None and _alive(previous.get("pid", -1)):
+    if (
+        previous
+        and previous.get("exit_code") is None
+        and _alive(previous.get("pid") or -1, previous.get("pid_start_ticks"))
+    ):
         print(f"rank {args.rank} already runs as pid {previous['pid']}", file=sys.stderr)
         return 1
     state_path.unlink(missing_ok=True)
@@ -115,7 +126,13 @@ def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_pa
                 log.write(f"dzctl: cannot start {command[0]}: {exc.strerror}\n".encode())
                 _write_state(state_path, {"pid": None, "error": str(exc), "exit_code": 127, "finished": time.time()})
                 os._exit(1)
-            state = {"pid": proc.pid, "supervisor": os.getpid(), "started": time.time(), "exit_code": None}
+            state = {
+                "pid": proc.pid,
+                "pid_start_ticks": _start_ticks(proc.pid),
+                "supervisor": os.getpid(),
+                "started": time.time(),
+                "exit_code": None,
+            }
             _write_state(state_path, state)
             returncode = proc.wait()
             # torchrun starts each worker in its own session: if the launcher died
@@ -157,7 +174,7 @@ def status(args: argparse.Namespace) -> int:
         return 0
     if state.get("exit_code") is not None:
         state["state"] = "exited"
-    elif _alive(state["pid"]):
+    elif _alive(state["pid"], state.get("pid_start_ticks")):
         state["state"] = "running"
     else:
         # The supervisor itself died (node reboot, kill -9): the end was never recorded.
@@ -185,7 +202,7 @@ def follow(args: argparse.Namespace) -> int:
             if not args.follow:
                 return 0
             state = _read_state(state_path) or {}
-            if state.get("exit_code") is not None or not _alive(state.get("pid") or -1):
+            if state.get("exit_code") is not None or not _alive(state.get("pid") or -1, state.get("pid_start_ticks")):
                 out.write(handle.read())
                 out.flush()
                 return 0
@@ -223,8 +240,8 @@ def stop(args: argparse.Namespace) -> int:
     _, state_path = _paths(args.job_dir, args.rank)
     state = _read_state(state_path) or {}
     pid = state.get("pid")
-    if not pid or state.get("exit_code") is not None:
-        return 0
+    if not pid or state.get("exit_code") is not None or not _alive(pid, state.get("pid_start_ticks")):
+        return 0  # ended, or the pid now belongs to another process: nothing of ours to signal
     # Collect the tree before signalling: once the launcher dies its workers are re-parented.
     tree = _descendants(pid)
     # SIGTERM first: torchrun forwards it to the ranks, which can exit cleanly.

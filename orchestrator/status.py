@@ -100,15 +100,20 @@ def parse_progress(
     last_step: dict | None = None
     last_time: float | None = None
     errors: list[dict] = []
+    events = []
     for line in text.splitlines():
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being written as we read
-        if not isinstance(event, dict):
-            continue
-        if job_id is not None and event.get("job_id") != job_id:
-            continue
+        if isinstance(event, dict):
+            events.append(event)
+    if job_id is not None and any(e.get("job_id") == job_id for e in events):
+        # A trainer that stamps lines (any since this field exists) and has written ours.
+        events = [e for e in events if e.get("job_id") == job_id]
+    elif job_id is not None and any("job_id" in e for e in events):
+        events = []  # only other jobs' lines so far
+    for event in events:
         stamp = event.get("time")
         if isinstance(stamp, (int, float)):
             last_time = float(stamp)

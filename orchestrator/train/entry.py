@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_job(args.job, args.overrides)
         output_dir = args.output_dir or default_output_dir(loaded.spec)
         log = ProgressLog(output_dir / "progress.jsonl", echo=True)
-        from .environment import cuda_arch_default, early_defaults
+        from .environment import cuda_arch_default, early_defaults, quiet_known_warnings
 
         early_defaults(loaded.spec.accelerator)
+        quiet_known_warnings()
         from . import run  # torch, transformers, deepspeed: only now
 
         cuda_arch_default()

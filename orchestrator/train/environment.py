@@ -37,6 +37,20 @@ def early_defaults(accelerator: str, env: MutableMapping[str, str] | None = None
     return applied
 
 
+def quiet_known_warnings() -> None:
+    """Drop warnings that repeat every step and say nothing a user can act on.
+
+    DeepSpeed 0.19 calls torch's deprecated collective names on every ZeRO-3
+    step; left alone they bury the job's log (and `dzctl logs`) under thousands
+    of identical FutureWarnings. The DataLoader's pin_memory warning on CPU runs
+    is the same kind. Anything else still shows.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true but no accelerator")
+
+
 def cuda_arch_default(env: MutableMapping[str, str] | None = None) -> str | None:
     """Set ``TORCH_CUDA_ARCH_LIST`` to the visible GPUs' compute capabilities (after torch import).
 

@@ -227,3 +227,25 @@ def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(pr
     assert controller.status()["state"] == "stopped"
     relaunch = controller.launch("--follow", steps=2)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+
+
+def test_a_node_that_cannot_start_leaves_no_half_started_job(process_hosts, tmp_path):
+    """Node 1's launcher refuses to start: node 0, already running, is stopped; the job is failed."""
+    controller = Controller(process_hosts, tmp_path, "process")
+    wrapper = tmp_path / "python-wrapper"
+    # The node-side Python, except that starting a rank fails on node1 (preflight's probes still pass).
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'if [ "$(hostname)" = node1 ] && [ "$3" = start ]; then echo "node1: cannot start" >&2; exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    controller.sets = [s for s in controller.sets if not s.startswith("launch.python=")]
+    controller.sets.append(f"launch.python={wrapper}")
+    result = controller.launch("--detach", steps=100000)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "did not start on every node" in result.stderr and "node1: cannot start" in result.stderr
+    for host in controller.cluster.hosts:
+        assert controller.leftovers(host) == "", f"a half-started job remains on {host.name}"
+    status = controller.status()
+    assert status["state"] == "failed"

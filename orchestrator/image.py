@@ -351,9 +351,8 @@ def probe_versions(client, image_id: str) -> dict[str, str]:
 
 def docker_client(timeout: int = 3600):
     """A docker SDK client for ``DOCKER_HOST`` (or the default socket), or a clear error."""
-    import docker.errors
-
     import docker
+    import docker.errors
 
     try:
         client = docker.from_env(version="auto", timeout=timeout)

@@ -16,9 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import docker.errors
-
 import docker
+import docker.errors
 
 STATE = Path(os.environ.get("DZCTL_TEST_DOCKER_STATE", "/var/lib/dzctl-test/docker"))
 RUN = Path("/run/dzctl-test")

@@ -95,9 +95,7 @@ def list_checkpoints(output_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def choose_resume(
-    resume: str, output_dir: Path, world_size: int, *, load_universal: bool = False
-) -> Checkpoint | None:
+def choose_resume(resume: str, output_dir: Path, world_size: int, *, load_universal: bool = False) -> Checkpoint | None:
     """The checkpoint to continue from: ``auto`` (newest complete, or none), ``never``, or a path.
 
     Refuses, before any model is built, a checkpoint written by another number of

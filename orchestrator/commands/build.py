@@ -73,7 +73,7 @@ def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, targ
         offline=offline,
         target=target,
     )
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # CI logs: one line per step, never wrapped
     client = docker_client()
     with BuildView(console) as view:
         image = build_image(request, client, BuildProgress(on_update=view.update))

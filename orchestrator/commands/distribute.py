@@ -42,7 +42,7 @@ class DistributeView:
 
     def update(self, progress: Progress) -> None:
         elapsed = progress.elapsed_s
-        saved = f"saved {progress.raw_bytes / MB:,.0f}/{progress.expected_raw / MB:,.0f} MB"
+        saved = f"saved {progress.raw_bytes / MB:,.0f} MB (image {progress.expected_raw / MB:,.0f} MB)"
         head = f"{saved}, on the wire {progress.wire_bytes / MB:,.0f} MB, {elapsed:.0f} s"
         if self.live:
             table = Table(title=head, title_justify="left", box=None)
@@ -90,7 +90,7 @@ def distribute_command(
 ):
     """Give every node IMAGE by ID: skip nodes that have it, stream `docker save` once to the rest."""
     nodes = load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # CI logs: one line per report, never wrapped
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
         if registry:
             result = distribute_via_registry(image, nodes, pool, registry)

@@ -487,13 +487,13 @@ def _report(progress: Progress, pipes, source, wire: int, on_progress) -> None:
 
 def distribute_via_registry(image: str, nodes: Iterable, pool, registry: str, *, client=None) -> DistributeResult:
     """The alternative where a registry exists: push once here, every node pulls, IDs checked."""
-    from .image import docker_client
+    from .image import docker_client, push_reference
 
     started = time.monotonic()
     hosts = list(dict.fromkeys(getattr(node, "host", node) for node in nodes))
     client = client or docker_client()
     found = local_image(client, image)
-    remote = push_to_registry(client, _save_name(image, found), registry)
+    remote, _ = push_reference(client, _save_name(image, found), registry)
     outcomes: dict[str, HostOutcome] = {}
     pulled = pool.run_all(["docker", "pull", remote], hosts=hosts)
     for host, result in pulled.items():
@@ -513,16 +513,3 @@ def distribute_via_registry(image: str, nodes: Iterable, pool, registry: str, *,
             outcomes[host].image_id = got
     _tag_on(pool, [h for h, o in outcomes.items() if o.ok], image, found.id, outcomes, how=f"pulled {remote}")
     return DistributeResult(image, found.id, "registry", outcomes, elapsed_s=time.monotonic() - started)
-
-
-def push_to_registry(client, name: str, registry: str, on_line: Callable[[str], None] | None = None) -> str:
-    """Tag ``name`` as ``REGISTRY/<repo>:<tag>`` and push it; return that reference."""
-    repository, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
-    remote_repo = f"{registry.rstrip('/')}/{repository.split('/')[-1]}"
-    client.api.tag(name, remote_repo, tag)
-    for chunk in client.api.push(remote_repo, tag, stream=True, decode=True):
-        if "error" in chunk:
-            raise RuntimeFailure(f"push to {remote_repo}:{tag} failed: {chunk['error']}")
-        if on_line and chunk.get("status"):
-            on_line(f"{chunk.get('id', '')} {chunk['status']} {chunk.get('progress', '')}".strip())
-    return f"{remote_repo}:{tag}"

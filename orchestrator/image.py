@@ -419,20 +419,25 @@ def _same_build(client, tag: str, unlabelled_id: str, versions: dict[str, str]):
     return None
 
 
-def push_image(client, image: BuiltImage, registry: str, on_line: Callable[[str], None] | None = None) -> BuiltImage:
-    """Tag the image under ``registry`` and push it; return it with the registry's digest."""
-    name, _, tag = image.tag.rpartition(":")
-    remote = f"{registry.rstrip('/')}/{name.split('/')[-1]}"
-    client.api.tag(image.id, remote, tag)
+def push_reference(client, name: str, registry: str, on_line: Callable[[str], None] | None = None):
+    """Tag ``name`` as ``REGISTRY/<repo>:<tag>`` and push it; return (that reference, its digest)."""
+    repository, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
+    remote = f"{registry.rstrip('/')}/{repository.split('/')[-1]}"
+    client.api.tag(name, remote, tag)
     digest = None
     for chunk in client.api.push(remote, tag, stream=True, decode=True):
         if "error" in chunk:
             raise RuntimeFailure(f"push to {remote}:{tag} failed: {chunk['error']}")
-        aux = chunk.get("aux") or {}
-        digest = aux.get("Digest", digest)
+        digest = (chunk.get("aux") or {}).get("Digest", digest)
         if on_line and chunk.get("status"):
             on_line(f"{chunk.get('id', '')} {chunk['status']} {chunk.get('progress', '')}".strip())
-    return BuiltImage(image.id, f"{remote}:{tag}", image.labels, image.versions, image.elapsed_s, digest)
+    return f"{remote}:{tag}", digest
+
+
+def push_image(client, image: BuiltImage, registry: str, on_line: Callable[[str], None] | None = None) -> BuiltImage:
+    """Push a built image to ``registry``; return it under its registry name, with the digest."""
+    remote, digest = push_reference(client, image.tag, registry, on_line)
+    return BuiltImage(image.id, remote, image.labels, image.versions, image.elapsed_s, digest)
 
 
 def image_labels(client, image: str) -> dict[str, str]:

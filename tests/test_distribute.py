@@ -7,9 +7,12 @@ sent is the local Debian base (~470 MB): big enough to cut a transfer half-way, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +21,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from orchestrator.distribute import _Pipe, codec_for, distribute_image
+from orchestrator.distribute import _Pipe, codec_for, distribute_image, distribute_via_registry
 from orchestrator.ssh import HostPool
 
 # -- pure parts -----------------------------------------------------------------------------------
@@ -157,3 +160,69 @@ def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_dock
         assert outcome[name].bytes_sent == result.wire_bytes
         assert host_image_id(hosts, hosts.host(name), base_image) == local_id
     assert host_image_id(hosts, victim, local_id) is None  # no half image on the failed node
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A real registry (Debian's docker-registry) with TLS, factory: ``registry(address) -> "addr:port"``.
+
+    Docker trusts a registry's CA from /etc/docker/certs.d/<addr:port>/ca.crt, read by every daemon
+    on this machine (the local one and the test hosts'): that file is removed afterwards.
+    """
+    if shutil.which("docker-registry") is None or shutil.which("openssl") is None:
+        reason = "registry test needs docker-registry and openssl (apt-get install docker-registry)"
+        if os.environ.get("DZCTL_REQUIRE_INTEGRATION") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(address: str) -> str:
+        with socket.socket() as probe:  # a free port on that address
+            probe.bind((address, 0))
+            port = probe.getsockname()[1]
+        key, crt = tmp_path / "registry.key", tmp_path / "registry.crt"
+        openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=dzctl-test"]
+        openssl += ["-addext", f"subjectAltName=IP:{address}", "-keyout", str(key), "-out", str(crt)]
+        subprocess.run(openssl, check=True, capture_output=True)
+        config = tmp_path / "registry.yml"
+        config.write_text(
+            f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'store'}\n"
+            f"http:\n  addr: {address}:{port}\n  tls:\n    certificate: {crt}\n    key: {key}\n"
+        )
+        trust = Path(f"/etc/docker/certs.d/{address}:{port}")
+        trust.mkdir(parents=True, exist_ok=True)
+        (trust / "ca.crt").write_bytes(crt.read_bytes())
+        log = open(tmp_path / "registry.log", "wb")  # noqa: SIM115 - closed with the process below
+        proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=log)
+        started.append((proc, trust))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=0.5):
+                return f"{address}:{port}"
+            time.sleep(0.1)
+        raise RuntimeError(f"docker-registry did not listen: {(tmp_path / 'registry.log').read_text()[-1000:]}")
+
+    yield start
+    for proc, trust in started:
+        proc.terminate()
+        proc.wait(timeout=20)
+        shutil.rmtree(trust, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_push_then_every_node_pulls_the_same_id(cluster, local_docker_url, base_image, registry):
+    hosts = cluster(2, docker=True)
+    # The controller's address on the hosts' bridge: the local daemon and every node reach it.
+    address = registry(hosts.gateway)
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
+    local_id = client.images.get(base_image).id
+    with HostPool([h.name for h in hosts.hosts], ssh_config=hosts.ssh_config) as pool:
+        result = distribute_via_registry(base_image, [h.name for h in hosts.hosts], pool, address, client=client)
+    assert result.ok, result.to_dict()
+    assert result.codec == "registry"
+    remote = f"{address}/{base_image.split('/')[-1]}"
+    for host in hosts.hosts:
+        assert result.hosts[host.name].status == "loaded"
+        assert result.hosts[host.name].detail == f"pulled {remote}; tagged {base_image}"
+        assert host_image_id(hosts, host, base_image) == local_id
+        assert host_image_id(hosts, host, remote) == local_id

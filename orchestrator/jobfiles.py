@@ -48,11 +48,15 @@ def secret_env(job: LoadedJob, env_file_values: dict[str, str]) -> dict[str, str
     return dict(sorted(found.items()))
 
 
-def resolved_spec(job: LoadedJob, plan: LaunchPlan, node: NodePlan, resolved: Resolved | None) -> dict:
+def resolved_spec(
+    job: LoadedJob, plan: LaunchPlan, node: NodePlan, resolved: Resolved | None, output_storage: str | None = None
+) -> dict:
     """The spec a node's trainer reads: concrete, self-contained, secret-free."""
     data = job.spec.model_dump(mode="json")
     job_dir = CONTAINER_JOB_DIR if plan.runtime == "docker" else node.job_dir
     data["train"]["output_dir"] = node.output_dir
+    if output_storage is not None:
+        data["train"]["output_storage"] = output_storage
     if shipped_data(job) is not None:
         data["data"]["path"] = f"{job_dir}/data/{Path(job.spec.data.path).name}"
     if resolved is not None:
@@ -78,9 +82,11 @@ def job_files(
     ds_config: dict,
     resolved: Resolved | None,
     secrets: dict[str, str],
+    output_storage: str | None = None,
 ) -> list[JobFile]:
+    spec = resolved_spec(job, plan, node, resolved, output_storage)
     files = [
-        JobFile("job.yaml", yaml.safe_dump(resolved_spec(job, plan, node, resolved), sort_keys=False).encode()),
+        JobFile("job.yaml", yaml.safe_dump(spec, sort_keys=False).encode()),
         JobFile("ds_config.json", (json.dumps(ds_config, indent=2) + "\n").encode()),
         JobFile("hostfile", "".join(f"{n.host} slots={n.num_slots}\n" for n in nodes).encode()),
     ]

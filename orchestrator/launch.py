@@ -108,6 +108,31 @@ def upload(job: LoadedJob, plan: LaunchPlan, files: dict[int, list[JobFile]], po
         raise RemoteError(f"uploading the job directory failed: {details}", fix="check disk space and permissions")
 
 
+def probe_output_storage(plan: LaunchPlan, pool: HostPool) -> str:
+    """``shared`` if every node sees node 0's output dir (one filesystem), else ``node-local``.
+
+    A probe file written on node 0 and looked for on the others: paths alone cannot
+    tell an NFS mount from a local disk. The trainer needs the answer to decide
+    which ranks write checkpoint metadata (see train.output_storage).
+    """
+    first = plan.nodes[0]
+    if len(plan.nodes) == 1:
+        return "shared"
+    if any(n.output_dir != first.output_dir for n in plan.nodes):
+        return "node-local"
+    probe = f"{first.output_dir}/.dzctl-storage-probe-{plan.job_id}"
+    outcomes = pool.map(lambda conn: conn.mkdir(first.output_dir))
+    if outcomes.failed:
+        raise RemoteError(f"cannot create the output dir: {outcomes.failed}", fix="check permissions and disk")
+    node0 = pool.connection(first.host)
+    node0.put(b"dzctl storage probe\n", probe, mode=0o644)
+    try:
+        seen = pool.run_all(["test", "-e", probe], timeout=30, hosts=[n.host for n in plan.nodes[1:]])
+    finally:
+        node0.run(["rm", "-f", probe], timeout=30)
+    return "shared" if all(not isinstance(r, Exception) and r.exit_code == 0 for r in seen.values()) else "node-local"
+
+
 def start_nodes(plan: LaunchPlan, pool: HostPool) -> tuple[list[int], dict[int, str]]:
     """Start every node at once: (ranks started, {rank: why it did not start})."""
     by_host = {n.host: n for n in plan.nodes}

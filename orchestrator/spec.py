@@ -71,6 +71,11 @@ class TrainSpec(_Strict):
     # None: ``<launch.remote_dir>/output/<name>`` on every node, stable across
     # relaunches so ``resume: auto`` finds the checkpoints.
     output_dir: str | None = None
+    # Whether the nodes' output dirs are one shared filesystem or each node's own
+    # disk. auto: `dzctl launch` finds out (a probe file written on node 0, looked
+    # for on the others); a plain trainer run takes shared. node-local makes every
+    # node keep the checkpoint metadata its own ranks need to resume.
+    output_storage: Literal["auto", "shared", "node-local"] = "auto"
     resume: str = Field("auto", min_length=1)  # auto | never | PATH
     seed: int = 42
 

@@ -153,3 +153,42 @@ def test_progress_events_have_every_contract_key(tmp_path, capsys):
 def test_unknown_event_refused():
     with pytest.raises(ValueError):
         make_event("finished")
+
+
+def node_local_checkpoint(out: Path, step: int, node_ranks: list[int], world: int, *, latest: bool) -> Path:
+    """What one node's own disk holds after a node-local save: only its ranks' shards."""
+    path = out / f"checkpoint-{step}"
+    shards = path / f"global_step{step}"
+    shards.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if latest:  # DeepSpeed writes `latest` from global rank 0 only
+        (path / "latest").write_text(f"global_step{step}")
+    for rank in node_ranks:
+        (shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"x")
+        (shards / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    return path
+
+
+def test_node_local_checkpoint_is_complete_with_its_own_ranks(tmp_path):
+    path = node_local_checkpoint(tmp_path, 8, [2, 3], 4, latest=False)
+    assert not checkpoints.inspect(path).complete  # no `latest`, no marker yet
+    checkpoints.write_latest_tag(path)
+    checkpoints.write_marker(path, 4, 8, ranks=[2, 3])
+    found = checkpoints.inspect(path)
+    assert (found.complete, found.world_size) == (True, 4)
+    assert (path / "latest").read_text() == "global_step8"
+    # A marker that claims a rank whose shards are not here is not complete.
+    checkpoints.write_marker(path, 4, 8, ranks=[1, 2, 3])
+    assert "ranks [1] missing" in checkpoints.inspect(path).problem
+
+
+def test_nodes_agree_on_the_newest_step_they_all_hold(tmp_path):
+    for step in (4, 8):
+        make_checkpoint(tmp_path, step, 2)
+    mine = checkpoints.choose_resume("auto", tmp_path, 2)
+    assert checkpoints.agree_on_resume(mine, [8, 8], tmp_path, "n0").step == 8
+    # The other node's marker for step 8 was never written (a crash between the two).
+    assert checkpoints.agree_on_resume(mine, [8, 4], tmp_path, "n0").step == 4
+    with pytest.raises(CheckpointError, match="disagree"):
+        checkpoints.agree_on_resume(mine, [8, None], tmp_path, "n0")
+    assert checkpoints.agree_on_resume(None, [None, None], tmp_path, "n0") is None

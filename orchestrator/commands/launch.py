@@ -15,7 +15,7 @@ from ..dsconfig import Resolved
 from ..errors import RuntimeFailure
 from ..hostfile import Node, ResourceFilter, load_nodes
 from ..jobfiles import job_files, resolved_spec, secret_env
-from ..launch import Phases, start_job
+from ..launch import Phases, probe_output_storage, start_job
 from ..memory import nodes_description, plan_for_job, require_fit
 from ..options import hosts_options, job_options, json_option, load_job_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
@@ -105,7 +105,11 @@ def launch_command(
             interfaces=report.interfaces,
             infiniband_hosts=frozenset(h for h, devices in report.infiniband.items() if devices),
         )
-        files = {n.node_rank: job_files(job, plan, n, nodes, ds_config, resolved, secrets) for n in plan.nodes}
+        storage = job.spec.train.output_storage
+        if storage == "auto":
+            with phases.timed("storage_probe"):
+                storage = probe_output_storage(plan, pool)
+        files = {n.node_rank: job_files(job, plan, n, nodes, ds_config, resolved, secrets, storage) for n in plan.nodes}
         with JobStore() as store:
             started = start_job(
                 job,
@@ -113,7 +117,7 @@ def launch_command(
                 files,
                 pool,
                 store,
-                spec_record=resolved_spec(job, plan, plan.nodes[0], resolved),
+                spec_record=resolved_spec(job, plan, plan.nodes[0], resolved, storage),
                 ssh_config=ssh_config,
                 replace=replace,
                 phases=phases,

@@ -74,12 +74,14 @@ def inspect(path: Path) -> Checkpoint:
     marker = path / MARKER
     if marker.is_file():
         try:
-            declared = int(json.loads(marker.read_text(encoding="utf-8"))["world_size"])
+            content = json.loads(marker.read_text(encoding="utf-8"))
+            declared = int(content["world_size"])
+            # On node-local storage each node holds only its own ranks' shards.
+            expected = {int(r) for r in content.get("ranks", range(declared))}
         except (ValueError, KeyError, TypeError):
             return Checkpoint(path, step, None, f"{MARKER} unreadable")
     else:
         return Checkpoint(path, step, None, f"{MARKER} missing: the save did not finish on every rank")
-    expected = set(range(declared))
     if optim != expected:
         return Checkpoint(path, step, None, f"optimizer shards for ranks {sorted(expected - optim)} missing")
     if model != expected:
@@ -126,6 +128,33 @@ def choose_resume(resume: str, output_dir: Path, world_size: int, *, load_univer
     return chosen
 
 
+def agree_on_resume(
+    mine: Checkpoint | None, all_steps: list[int | None], output_dir: Path, node: str
+) -> Checkpoint | None:
+    """Every node must resume from the same step: the newest one that all of them hold complete.
+
+    ``all_steps``: each rank's own choice (None: nothing to resume). Nodes can differ
+    only if a run died between the nodes' markers; then the older common step is taken.
+    """
+    if all(step == (mine.step if mine else None) for step in all_steps):
+        return mine
+    if any(step is None for step in all_steps):
+        raise CheckpointError(
+            f"{node}: the nodes disagree on what to resume: newest complete checkpoint per rank {all_steps} "
+            "(None: none found); a node's output dir was lost or replaced",
+            fix="set train.resume: never to start over, or restore the missing node's output dir",
+        )
+    target = min(s for s in all_steps if s is not None)
+    chosen = inspect(output_dir / f"checkpoint-{target}")
+    if not chosen.complete:
+        raise CheckpointError(
+            f"{node}: the nodes' newest complete checkpoints differ ({sorted(set(all_steps))}) and "
+            f"checkpoint-{target} is not complete here: {chosen.problem}",
+            fix="set train.resume: never to start over",
+        )
+    return chosen
+
+
 def universal_fix(checkpoint: Checkpoint) -> str:
     tag = (checkpoint.path / "latest").read_text(encoding="utf-8").strip()
     shards = checkpoint.path / tag
@@ -138,9 +167,30 @@ def universal_fix(checkpoint: Checkpoint) -> str:
     )
 
 
-def write_marker(checkpoint_dir: Path, world_size: int, step: int) -> None:
-    """Record that every rank finished writing this checkpoint (call after a barrier)."""
-    text = json.dumps({"world_size": world_size, "step": step})
+def write_latest_tag(checkpoint_dir: Path) -> None:
+    """Write DeepSpeed's ``latest`` file on this node if global rank 0 (another node) did not.
+
+    DeepSpeed 0.19 writes ``latest`` from global rank 0 only, even with
+    ``use_node_local_storage``; without it the ranks of other nodes cannot find
+    their own shards when resuming from their node's disk.
+    """
+    if (checkpoint_dir / "latest").is_file():
+        return
+    tags = sorted(p.name for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith("global_step"))
+    if tags:
+        (checkpoint_dir / "latest").write_text(tags[-1], encoding="utf-8")
+
+
+def write_marker(checkpoint_dir: Path, world_size: int, step: int, ranks: list[int] | None = None) -> None:
+    """Record that every rank finished writing this checkpoint (call after a barrier).
+
+    ``ranks``: the ranks whose shards are in this folder, when it is one node's own
+    disk (``train.output_storage: node-local``); all of them when omitted.
+    """
+    content: dict = {"world_size": world_size, "step": step}
+    if ranks is not None:
+        content["ranks"] = ranks
+    text = json.dumps(content)
     tmp = checkpoint_dir / (MARKER + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(checkpoint_dir / MARKER)  # atomic: a reader sees all of it or nothing

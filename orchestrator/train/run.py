@@ -47,13 +47,25 @@ class Ranks:
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int = 1
+    node_local: bool = False  # train.output_storage: node-local (each node its own output disk)
 
     @classmethod
-    def from_env(cls) -> Ranks:
+    def from_env(cls, node_local: bool = False) -> Ranks:
         # torchrun and the deepspeed launcher both set these; a plain `python -m` run is one rank.
         return cls(
-            int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            int(os.environ.get("RANK", 0)),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            node_local,
         )
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """The global ranks on this node (launchers number them node by node)."""
+        first = self.rank - self.local_rank
+        return list(range(first, first + self.local_world_size))
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,10 @@ def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | Non
             f"x {ranks.world_size} ranks",
             fix='set train_batch_size to "auto" or to the product',
         )
+    if spec.train.output_storage == "node-local":
+        # DeepSpeed then writes its `latest` tag and model states from each node's
+        # local rank 0, not only global rank 0: each node can load its own shards.
+        ds = {**ds, "checkpoint": {**ds.get("checkpoint", {}), "use_node_local_storage": True}}
     precision = dsconfig.precision_of(ds)
     if (
         precision == "bf16"
@@ -172,6 +188,9 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         save_strategy="steps" if save else "no",
         save_steps=train.save_steps,
         save_total_limit=train.save_total_limit,
+        # Node-local output disks: every node writes the trainer state, RNG and
+        # config its ranks need to resume (HF), alongside its ZeRO shards.
+        save_on_each_node=train.output_storage == "node-local",
         logging_strategy="steps",
         logging_steps=train.logging_steps,
         report_to="none",
@@ -340,8 +359,14 @@ class ProgressCallback(TrainerCallback):
         # Every rank has written its shards and RNG state only once all reach here.
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if self.ranks.rank == 0 and path.is_dir():
+        if self.ranks.node_local:
+            # Each node's disk holds its own ranks' shards: its local rank 0 vouches for them.
+            if self.ranks.local_rank == 0 and path.is_dir():
+                checkpoints.write_latest_tag(path)
+                checkpoints.write_marker(path, self.ranks.world_size, state.global_step, self.ranks.node_ranks)
+        elif self.ranks.rank == 0 and path.is_dir():
             checkpoints.write_marker(path, self.ranks.world_size, state.global_step)
+        if self.ranks.rank == 0 and path.is_dir():
             self.log.write("checkpoint", **self._common(state), path=str(path))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -426,12 +451,23 @@ def gather_memory_peaks() -> list[list[float]] | None:
     return gathered  # type: ignore[return-value]
 
 
+def _agree_on_resume(resume, output_dir: Path):
+    """All ranks resume from one step, whatever each node's own disk holds (see checkpoints.agree_on_resume)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return resume
+    steps: list[int | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(steps, resume.step if resume else None)
+    import socket
+
+    return checkpoints.agree_on_resume(resume, steps, output_dir, socket.gethostname())
+
+
 def train(
     loaded: LoadedJob, *, output_dir: Path, ds_config_path: Path | None, save: bool, log: ProgressLog
 ) -> Path | None:
     """Run the job; return the consolidated model folder (``None`` when saving is off)."""
-    ranks = Ranks.from_env()
     spec = loaded.spec
+    ranks = Ranks.from_env(node_local=spec.train.output_storage == "node-local")
     settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
     universal = (spec.zero.overrides.get("checkpoint") or {}).get("load_universal") is True
     resume = checkpoints.choose_resume(spec.train.resume, output_dir, ranks.world_size, load_universal=universal)
@@ -451,6 +487,7 @@ def train(
     dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
+    resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     model = build_model(loaded, config, settings.precision)
     callback = ProgressCallback(log, ranks, save=save)

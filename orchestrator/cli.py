@@ -13,11 +13,23 @@ import sys
 import click
 
 from . import __version__
-from .commands import COMMAND_MODULES
+from .commands import COMMANDS
 from .errors import DzError
 
 
 class DzGroup(click.Group):
+    """Commands load on first use (see commands.COMMANDS); errors become exit codes here."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        if name not in self.commands:
+            importlib.import_module(COMMANDS[name]).register(self)
+        return self.commands.get(name)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
@@ -62,7 +74,3 @@ def main(debug: bool) -> None:
         stream=sys.stderr,
         format="%(levelname)s %(name)s: %(message)s",
     )
-
-
-for _module in COMMAND_MODULES:
-    importlib.import_module(_module).register(main)

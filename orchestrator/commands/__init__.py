@@ -6,11 +6,16 @@ the same change that makes its command real.
 
 from __future__ import annotations
 
-COMMAND_MODULES = [
-    "orchestrator.commands.build",
-    "orchestrator.commands.distribute",
-    "orchestrator.commands.launch",
-    "orchestrator.commands.jobs",
-    "orchestrator.commands.plan",
-    "orchestrator.commands.preflight",
-]
+# Command name -> the module that defines it. Imported only when that command
+# runs (or for --help): `dzctl status` need not load the docker SDK or the planner.
+COMMANDS = {
+    "build": "orchestrator.commands.build",
+    "distribute": "orchestrator.commands.distribute",
+    "launch": "orchestrator.commands.launch",
+    "logs": "orchestrator.commands.jobs",
+    "plan": "orchestrator.commands.plan",
+    "preflight": "orchestrator.commands.preflight",
+    "status": "orchestrator.commands.jobs",
+    "stop": "orchestrator.commands.jobs",
+}
+COMMAND_MODULES = sorted(set(COMMANDS.values()))

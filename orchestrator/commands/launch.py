@@ -124,7 +124,7 @@ def launch_command(
             )
             phases.seconds["total_to_running"] = round(time.monotonic() - started_at, 3)
             log.debug("launch phases: %s", phases.seconds)
-            _note(as_json, f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
+            _note(f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
             if follow is None:
                 follow = sys.stdout.isatty() and not as_json
             if not follow:
@@ -141,7 +141,7 @@ def launch_command(
         raise RuntimeFailure(f"job {plan.job_id} {status.state}{where}", fix=f"dzctl logs {plan.job_id} --tail 100")
 
 
-def _note(quiet: bool, text: str) -> None:
+def _note(text: str) -> None:
     # Progress notes go to stderr: with --json, stdout holds exactly one object.
     click.echo(text, err=True)
 
@@ -174,7 +174,7 @@ def _require_preflight(report, quiet: bool) -> None:
 def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool) -> None:
     from ..distribute import distribute_image
 
-    _note(quiet, f"distributing {job.spec.image} to the nodes that lack it")
+    _note(f"distributing {job.spec.image} to the nodes that lack it")
     result = distribute_image(job.spec.image, nodes, pool)
     result.raise_on_failure()
 

@@ -88,7 +88,7 @@ def launch_command(
         if job.spec.runtime == "docker" and not no_distribute and _image_missing(report):
             # The one failure launch repairs itself: ship the image, then check again.
             with phases.timed("distribute"):
-                _distribute(job, nodes, pool, as_json)
+                _distribute(job, nodes, pool)
             with phases.timed("preflight"):
                 report = run_preflight(job, nodes, pool)
         _require_preflight(report, as_json)
@@ -171,7 +171,7 @@ def _require_preflight(report, quiet: bool) -> None:
         )
 
 
-def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, quiet: bool) -> None:
+def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool) -> None:
     from ..distribute import distribute_image
 
     _note(f"distributing {job.spec.image} to the nodes that lack it")

@@ -157,10 +157,7 @@ def _become_subreaper() -> None:
 
 def _kill_orphans() -> None:
     me = os.getpid()
-    for pid in _descendants(me):
-        if pid != me:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+    _signal_all({pid: _start_ticks(pid) for pid in _descendants(me) if pid != me}, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG) != (0, 0):
             pass
@@ -230,10 +227,12 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
+def _signal_all(pids: dict[int, int | None], sig: int) -> None:
+    """Signal each pid that is still the process we found (same start time): never a reused pid."""
+    for pid, ticks in pids.items():
+        if _alive(pid, ticks):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
 
 def stop(args: argparse.Namespace) -> int:
@@ -243,13 +242,14 @@ def stop(args: argparse.Namespace) -> int:
     if not pid or state.get("exit_code") is not None or not _alive(pid, state.get("pid_start_ticks")):
         return 0  # ended, or the pid now belongs to another process: nothing of ours to signal
     # Collect the tree before signalling: once the launcher dies its workers are re-parented.
-    tree = _descendants(pid)
+    # Each pid with its start time: during the grace period an exited pid can be reused.
+    tree = {p: _start_ticks(p) for p in _descendants(pid)}
     # SIGTERM first: torchrun forwards it to the ranks, which can exit cleanly.
     _signal_all(tree, signal.SIGTERM)
     deadline = time.monotonic() + args.grace
-    while time.monotonic() < deadline and any(_alive(p) for p in tree):
+    while time.monotonic() < deadline and any(_alive(p, t) for p, t in tree.items()):
         time.sleep(0.2)
-    _signal_all([p for p in tree if _alive(p)], signal.SIGKILL)
+    _signal_all(tree, signal.SIGKILL)
     # Wait for the supervisor to record the exit code (it reaps the launcher).
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (_read_state(state_path) or {}).get("exit_code") is None:

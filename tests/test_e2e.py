@@ -212,7 +212,8 @@ def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(pr
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first_node = Path(f"{controller.remote}/{controller.cluster.hosts[0].name}/jobs")
     deadline = time.monotonic() + 300
-    while not list(first_node.glob("*/rank-0.json")):
+    # This job's own rank-0 record (the hosts keep earlier tests' job dirs).
+    while not list(first_node.glob(f"{controller.job}-*/rank-0.json")):
         assert proc.poll() is None, "launch ended before a node started"
         assert time.monotonic() < deadline, "no node started within 300 s"
         time.sleep(0.02)

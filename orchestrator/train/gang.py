@@ -31,6 +31,9 @@ STALE_S = 15.0  # well inside the 30 s promise, well above a GC pause or a slow 
 GANG_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped because another node failed"
 
 _watchdog: Watchdog | None = None
+# The launcher (torchrun) that started this rank. If it has died since, our
+# parent is now a subreaper or init: end_node must not signal that one.
+LAUNCHER_PID = os.getppid()
 
 
 class Watchdog:
@@ -109,8 +112,9 @@ def end_node(code: int) -> None:
     """
     if int(os.environ.get("DZCTL_NUM_NODES", "1")) < 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    with contextlib.suppress(OSError):
-        os.kill(os.getppid(), signal.SIGKILL)
+    if os.getppid() == LAUNCHER_PID:
+        with contextlib.suppress(OSError):
+            os.kill(LAUNCHER_PID, signal.SIGKILL)
     os._exit(code)
 
 

@@ -123,6 +123,7 @@ class Facts:
     env: dict = field(default_factory=dict)  # the Python probe's answer
     resolved_master: list[str] = field(default_factory=list)
     infiniband: list[str] = field(default_factory=list)
+    container_probe_s: float | None = None
     host_mem_bytes: int | None = None
     gpu_mem_mib: int | None = None  # the smallest of the GPUs the job uses
 
@@ -449,6 +450,9 @@ def check_container(conn: Connection, ctx: Context, facts: Facts) -> list[Check]
         argv += ["--gpus", '"device=' + ",".join(map(str, ctx.node.gpus)) + '"', "--env", "DZ_NCCL_TEST=1"]
     argv += ["--entrypoint", "sh", ctx.spec.image, "-c", CONTAINER_SCRIPT, "sh", PYTHON_PROBE]
     result = _run(conn, argv, timeout=CONTAINER_S)
+    # Mostly the container's start and its Python importing torch: reported apart from
+    # dzctl's own time (benchmarks/launch_overhead.py).
+    facts.container_probe_s = result.elapsed_s
     if "could not select device driver" in result.stderr:
         return [
             fail(

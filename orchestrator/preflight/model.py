@@ -71,6 +71,7 @@ class PreflightReport:
     gpu_mem_gib: dict[str, float] = field(default_factory=dict)
     host_mem_gib: dict[str, float] = field(default_factory=dict)
     infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
+    container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node
 
     @property
     def ok(self) -> bool:
@@ -92,5 +93,6 @@ class PreflightReport:
             "gpu_mem_gib": self.gpu_mem_gib,
             "host_mem_gib": self.host_mem_gib,
             "infiniband": self.infiniband,
+            "container_probe_s": self.container_probe_s,
             "hosts": [h.to_dict() for h in self.hosts],
         }

@@ -21,27 +21,24 @@ def _python(record: JobRecord) -> str:
 
 
 def node_states(record: JobRecord, pool: HostPool) -> dict[int, NodeState]:
-    nodes = record.plan["nodes"]
+    """Every rank's state, all nodes at once; an unreachable node is a state, not an error."""
+    by_host = {n["host"]: n for n in record.plan["nodes"]}
 
-    def one(node: dict) -> NodeState:
-        try:
-            result = pool.connection(node["host"]).run(
-                inspect_argv(record.runtime, node, _python(record)), timeout=INSPECT_TIMEOUT_S
-            )
-        except RemoteError as exc:
-            return NodeState("unreachable", error=exc.message)
+    def one(conn) -> NodeState:
+        node = by_host[conn.host]
+        result = conn.run(inspect_argv(record.runtime, node, _python(record)), timeout=INSPECT_TIMEOUT_S)
         try:
             return parse_inspect(record.runtime, result.exit_code, result.stdout, result.stderr)
         except (ValueError, KeyError) as exc:
             return NodeState("unreachable", error=f"unreadable state: {exc}")
 
-    outcomes: dict[int, NodeState] = {}
-    threads = [threading.Thread(target=lambda n=n: outcomes.__setitem__(n["node_rank"], one(n))) for n in nodes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return outcomes
+    outcomes = pool.map(one, by_host)
+    return {
+        by_host[host]["node_rank"]: NodeState("unreachable", error=str(state))
+        if isinstance(state, Exception)
+        else state
+        for host, state in outcomes.items()
+    }
 
 
 def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
@@ -95,26 +92,17 @@ def _last_error_line(record: JobRecord, pool: HostPool, rank: int) -> str | None
 
 def stop_nodes(record: JobRecord, pool: HostPool, *, remove: bool, ranks: list[int] | None = None) -> dict:
     """Stop (and remove) every rank's container or process, all nodes at once; outcomes per host."""
-    nodes = [n for n in record.plan["nodes"] if ranks is None or n["node_rank"] in ranks]
-    outcomes: dict[str, object] = {}
+    by_host = {n["host"]: n for n in record.plan["nodes"] if ranks is None or n["node_rank"] in ranks}
 
-    def one(node: dict) -> None:
-        try:
-            conn = pool.connection(node["host"])
-            conn.run(stop_argv(record.runtime, node, _python(record)), timeout=STOP_TIMEOUT_S)
-            argv = remove_argv(record.runtime, node)
-            if remove and argv:
-                conn.run(argv, timeout=STOP_TIMEOUT_S)
-            outcomes[node["host"]] = "stopped"
-        except RemoteError as exc:
-            outcomes[node["host"]] = exc
+    def one(conn) -> str:
+        node = by_host[conn.host]
+        conn.run(stop_argv(record.runtime, node, _python(record)), timeout=STOP_TIMEOUT_S)
+        argv = remove_argv(record.runtime, node)
+        if remove and argv:
+            conn.run(argv, timeout=STOP_TIMEOUT_S)
+        return "stopped"
 
-    threads = [threading.Thread(target=one, args=(n,)) for n in nodes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return outcomes
+    return dict(pool.map(one, by_host))
 
 
 class LinePrefixer:

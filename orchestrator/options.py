@@ -6,6 +6,7 @@ import os
 
 import click
 
+from .hostfile import Node, ResourceFilter, load_nodes
 from .spec import LoadedJob, load_job
 
 
@@ -63,3 +64,8 @@ def json_option(func):
 
 def load_job_from_options(job_file: str, overrides: tuple[str, ...], runtime: str | None) -> LoadedJob:
     return load_job(job_file, overrides, runtime)
+
+
+def nodes_from_options(hostfile: str, include: str, exclude: str, num_nodes, num_gpus) -> list[Node]:
+    """The nodes ``hosts_options`` select: the hostfile, then DeepSpeed's filters."""
+    return load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))

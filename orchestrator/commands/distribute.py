@@ -11,8 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from ..distribute import DistributeResult, Progress, distribute_image, distribute_via_registry
-from ..hostfile import ResourceFilter, load_nodes
-from ..options import hosts_options, json_option, ssh_options
+from ..options import hosts_options, json_option, nodes_from_options, ssh_options
 from ..ssh import HostPool
 
 MB = 1e6
@@ -89,7 +88,7 @@ def distribute_command(
     image, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts, codec, registry, as_json
 ):
     """Give every node IMAGE by ID: skip nodes that have it, stream `docker save` once to the rest."""
-    nodes = load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
+    nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     console = Console(stderr=True, soft_wrap=True)  # CI logs: one line per report, never wrapped
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
         if registry:

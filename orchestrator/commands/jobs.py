@@ -7,7 +7,7 @@ import time
 
 import click
 
-from ..errors import RemoteError, RuntimeFailure
+from ..errors import DzError, RuntimeFailure
 from ..observe import gather_status, stop_nodes, stream_logs
 from ..options import json_option, ssh_options
 from ..ssh import HostPool
@@ -143,7 +143,7 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
         record = store.get(job_ref)
         with _pool(record, ssh_config, trust_new_hosts) as pool:
             outcomes = stop_nodes(record, pool, remove=True)
-            failed = {h: o for h, o in outcomes.items() if isinstance(o, RemoteError)}
+            failed = {h: o for h, o in outcomes.items() if isinstance(o, DzError)}
             if not failed and record.state not in ("succeeded", "failed"):
                 store.set_state(record.job_id, "stopped", reason="dzctl stop")
         result = {

@@ -13,11 +13,11 @@ from rich.console import Console
 
 from ..dsconfig import Resolved
 from ..errors import RuntimeFailure
-from ..hostfile import Node, ResourceFilter, load_nodes
+from ..hostfile import Node
 from ..jobfiles import job_files, resolved_spec, secret_env
 from ..launch import Phases, probe_output_storage, start_job
 from ..memory import nodes_description, plan_for_job, require_fit
-from ..options import hosts_options, job_options, json_option, load_job_from_options, ssh_options
+from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
 from ..preflight import run_preflight
 from ..preflight.render import print_report
@@ -33,10 +33,6 @@ def new_job_id(name: str, now: float | None = None) -> str:
     """``<name>-<UTC time>-<4 hex>``: sortable by start time, unique across controllers."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
     return f"{name}-{stamp}-{pysecrets.token_hex(2)}"
-
-
-def nodes_from_options(hostfile: str, include: str, exclude: str, num_nodes, num_gpus) -> list[Node]:
-    return load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
 
 
 def env_file_values(job: LoadedJob) -> dict[str, str]:

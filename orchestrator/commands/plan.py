@@ -6,7 +6,6 @@ import json
 
 import click
 
-from ..hostfile import ResourceFilter, load_nodes
 from ..memory import (
     ALLOCATOR_MARGIN,
     GIB,
@@ -18,7 +17,7 @@ from ..memory import (
     require_fit,
 )
 from ..modelshape import ModelShape, shape_for_job
-from ..options import hosts_options, job_options, json_option, load_job_from_options
+from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options
 from ..spec import JobSpec
 
 
@@ -48,7 +47,7 @@ def plan_command(
     Exits 2 (after printing the plan) when nothing the job allows fits these nodes.
     """
     job = load_job_from_options(job_file, overrides, runtime)
-    nodes = load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
+    nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     shape = shape_for_job(job)
     slots = [n.num_slots for n in nodes]
     plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, shape=shape)

@@ -8,8 +8,7 @@ import click
 from rich.console import Console
 
 from ..errors import RuntimeFailure
-from ..hostfile import ResourceFilter, load_nodes
-from ..options import hosts_options, job_options, json_option, load_job_from_options, ssh_options
+from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
 from ..preflight import print_report, run_preflight
 from ..ssh import HostPool
 
@@ -24,7 +23,7 @@ def preflight_command(
 ):
     """Check every node of JOB (SSH, GPUs, Docker, image, network, disk) and say how to fix what fails."""
     job = load_job_from_options(job_file, overrides, runtime)
-    nodes = load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
+    nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
         report = run_preflight(job, nodes, pool)
     if as_json:

@@ -209,6 +209,10 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
     result = {"name": tag, "label": cfg["label"] + args.tag, "model": args.model, "seq": args.seq, "nproc": args.nproc}
     result.update(logging_steps=args.logging_steps, env=args.env, overrides=args.set, trainer_args=trainer_args)
     result.update(choice, exit_code=code, warmup=cfg["warmup"])
+    # DeepSpeed warns once a step when PyTorch's allocator had to free its cache to
+    # satisfy an allocation (memory pressure): a fitting plan should never see one.
+    log_text = (out / f"{tag}.log").read_text(encoding="utf-8", errors="replace")
+    result["allocator_cache_flush_warnings"] = log_text.count("allocator cache flushes")
     if end is None:
         result["error"] = next((e.get("reason") for e in events if e["event"] == "error"), "no end event")
     else:

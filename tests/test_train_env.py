@@ -17,12 +17,20 @@ def test_early_defaults_never_override():
     assert env["TORCH_EXTENSIONS_DIR"] == "/opt/ops" and "TORCH_EXTENSIONS_DIR" not in applied
     assert env["DS_ACCELERATOR"] == "cpu"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env  # a CUDA allocator setting; CPU runs have none
 
 
 def test_gpu_leaves_accelerator_to_deepspeed():
     env: dict[str, str] = {}
     early_defaults("gpu", env)
     assert "DS_ACCELERATOR" not in env and env["TOKENIZERS_PARALLELISM"] == "false"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_allocator_setting_of_the_user_wins():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    applied = early_defaults("gpu", env)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512" and "PYTORCH_CUDA_ALLOC_CONF" not in applied
 
 
 def test_single_rank_defaults_only_without_a_launcher():

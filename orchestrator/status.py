@@ -40,8 +40,13 @@ class JobStatus:
         return asdict(self)
 
 
+def state_failed(state: str, exit_code: int | None) -> bool:
+    """A node's container (or process supervisor) ended badly: dead, or exited non-zero."""
+    return state in FAILED_NODE_STATES or (state == "exited" and exit_code not in (0, None))
+
+
 def node_failed(node: NodeStatus) -> bool:
-    return node.state in FAILED_NODE_STATES or (node.state == "exited" and node.exit_code not in (0, None))
+    return state_failed(node.state, node.exit_code)
 
 
 def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:

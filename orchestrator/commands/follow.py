@@ -9,7 +9,7 @@ import click
 
 from ..observe import gather_status, node_states, stop_nodes, stream_logs
 from ..ssh import HostPool
-from ..status import JobStatus
+from ..status import JobStatus, state_failed
 from ..store import JobRecord, JobStore
 
 POLL_S = 2.0
@@ -28,7 +28,7 @@ def follow_job(record: JobRecord, pool: HostPool, store: JobStore, *, quiet: boo
         while True:
             states = node_states(record, pool)
             running = [r for r, s in states.items() if s.state in ("running", "created")]
-            failed = [r for r, s in states.items() if s.state == "dead" or (s.state == "exited" and s.exit_code)]
+            failed = [r for r, s in states.items() if state_failed(s.state, s.exit_code)]
             if failed and running and not gang_stopped:
                 click.echo(
                     f"dzctl: rank {failed[0]} failed; stopping the other node(s): {', '.join(map(str, running))}",

@@ -63,6 +63,16 @@ def bucket_sizes(hidden_size: int) -> tuple[int, int, int]:
     return hidden_size * hidden_size, int(0.9 * hidden_size * hidden_size), 10 * hidden_size
 
 
+# bf16 tensor cores arrived with Ampere (compute capability 8.0); V100 (7.0) and T4 (7.5)
+# have none, and torch.cuda.is_bf16_supported() says False there.
+BF16_MIN_COMPUTE_CAPABILITY = 8.0
+
+
+def bf16_supported_by(compute_capability: float | None) -> bool:
+    """Whether GPUs of this compute capability train in bf16; unknown (``None``) counts as yes."""
+    return compute_capability is None or compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
+
+
 def resolve_precision(spec: JobSpec, *, bf16_supported: bool = True) -> Precision:
     """``auto``: bf16 where the GPU has it, else fp16 (dynamic loss scaling); fp32 on CPU."""
     chosen = spec.train.precision

@@ -640,14 +640,18 @@ def allowed_from_job(job: LoadedJob) -> Allowed:
     return Allowed(micro_batch_size=micro, gradient_checkpointing=ckpt, offload=offload)
 
 
-def precision_for_job(job: LoadedJob) -> Precision:
-    """The precision DeepSpeed will run: a user config's explicit bf16/fp16 wins, else the spec's."""
+def precision_for_job(job: LoadedJob, *, bf16_supported: bool = True) -> Precision:
+    """The precision DeepSpeed will run: a user config's explicit bf16/fp16 wins, else the spec's.
+
+    ``bf16_supported``: whether the nodes' GPUs have bf16 (preflight's compute
+    capability); ``precision: auto`` becomes fp16 where they have not.
+    """
     fixed = merge(load_user_config(job) or {}, job.spec.zero.overrides)
     for name in ("bf16", "fp16"):
         section = fixed.get(name)
         if isinstance(section, dict) and section.get("enabled") is True:
             return name  # type: ignore[return-value]
-    return resolve_precision(job.spec)
+    return resolve_precision(job.spec, bf16_supported=bf16_supported)
 
 
 def plan_for_job(
@@ -657,11 +661,13 @@ def plan_for_job(
     gpu_mem_gib: float | None,
     host_mem_gib: float | None,
     shape: ModelShape | None = None,
+    bf16_supported: bool = True,
 ) -> tuple[MemoryPlan, dict[str, Any] | None]:
     """The memory plan of a job on nodes with these slots, and its DeepSpeed config (``None`` if it does not fit).
 
     ``dzctl plan`` passes the flags; the launch path passes preflight's readings
-    (smallest GPU memory and host RAM found) and then calls ``require_fit``.
+    (smallest GPU memory and host RAM found, and whether every GPU has bf16) and then
+    calls ``require_fit``.
     """
     spec = job.spec
     if spec.accelerator == "gpu" and gpu_mem_gib is None:
@@ -677,7 +683,7 @@ def plan_for_job(
         shape or shape_for_job(job),
         allowed=allowed_from_job(job),
         seq_len=spec.train.max_seq_len,
-        precision=precision_for_job(job),
+        precision=precision_for_job(job, bf16_supported=bf16_supported),
         gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
         hardware=hardware,
         accelerator=spec.accelerator,

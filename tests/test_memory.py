@@ -293,6 +293,27 @@ def test_plan_for_job_builds_the_ds_config():
     assert ds["bf16"]["enabled"] is True
 
 
+def test_precision_auto_follows_the_gpus_compute_capability():
+    from orchestrator.commands.launch import memory_choice
+    from orchestrator.errors import SpecError
+    from orchestrator.hostfile import Node
+
+    nodes = [Node("gpu-node-1", (0, 1))]
+    job = load_job(REPO / "jobs" / "qwen3-8b.yaml")  # precision: auto
+    # 9.0 is the recorded H200's; None: preflight could not read it (assume a current GPU).
+    for capability, precision in ((9.0, "bf16"), (8.0, "bf16"), (None, "bf16"), (7.0, "fp16"), (7.5, "fp16")):
+        resolved, ds = memory_choice(job, nodes, H200_GIB, None, capability)
+        assert resolved.precision == precision, capability
+        assert ds["bf16"]["enabled"] is (precision == "bf16") and ds["fp16"]["enabled"] is (precision == "fp16")
+    # A job that insists on bf16 is refused before launch, naming the key and the fix.
+    forced = load_job(REPO / "jobs" / "qwen3-8b.yaml", ["train.precision=bf16"])
+    with pytest.raises(SpecError) as info:
+        memory_choice(forced, nodes, H200_GIB, None, 7.0)
+    assert "--set train.precision=bf16" in str(info.value) and "compute capability 7" in str(info.value)
+    assert "train.precision: auto" in info.value.fix
+    assert memory_choice(forced, nodes, H200_GIB, None, 9.0)[0].precision == "bf16"
+
+
 def test_spec_offload_and_user_config_are_respected(tmp_path):
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml", ["zero.offload=all", "train.micro_batch_size=2"])
     plan, ds = plan_for_job(job, [2], gpu_mem_gib=H200_GIB, host_mem_gib=512)

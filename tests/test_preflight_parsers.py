@@ -86,6 +86,36 @@ def test_inventory_verdicts_on_the_recorded_gpus():
     assert gpu_inventory_check([], (0,), None).status == "fail"
 
 
+@needs_fixtures
+def test_check_gpus_records_memory_and_compute_capability(tmp_path, monkeypatch):
+    """check_gpus through a real local connection, with the recorded nvidia-smi standing in for the tool."""
+    from orchestrator.preflight.checks import check_gpus
+    from orchestrator.ssh import LocalConnection
+
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in --query-gpu=*) exec cat {H200 / "query-gpu.csv"} ;; esac\n'
+        f"exec cat {H200 / 'nvidia-smi.txt'}\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    facts = Facts()
+    checks = check_gpus(LocalConnection(), _ctx(_spec(accelerator="gpu"), slots=(1,)), facts)
+    assert [c.status for c in checks] == ["ok"], checks
+    assert (facts.gpu_mem_mib, facts.gpu_compute_capability) == (143771, 9.0)
+    assert (facts.driver, facts.driver_cuda) == ("580.159.04", "13.0")
+
+
+def test_compute_capability_as_a_number():
+    row = "0, Tesla V100-SXM2-32GB, GPU-x, 535.1, 32768, 0, 0, 0:1, {cap}, 0\n"
+    assert p.parse_gpu_query(row.format(cap="7.0"))[0].compute_capability == 7.0
+    assert p.parse_gpu_query(row.format(cap="12.0"))[0].compute_capability == 12.0
+    assert p.parse_gpu_query(row.format(cap="[N/A]"))[0].compute_capability is None
+
+
 def test_gpu_query_rejects_other_shapes():
     with pytest.raises(p.ParseError, match="expected 10 fields"):
         p.parse_gpu_query("0, NVIDIA H200, 580.159.04\n")

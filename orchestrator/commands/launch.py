@@ -11,12 +11,12 @@ import time
 import click
 from rich.console import Console
 
-from ..dsconfig import Resolved
-from ..errors import RuntimeFailure
+from ..dsconfig import BF16_MIN_COMPUTE_CAPABILITY, Resolved, bf16_supported_by
+from ..errors import RuntimeFailure, SpecError
 from ..hostfile import Node
 from ..jobfiles import job_files, resolved_spec, secret_env
 from ..launch import Phases, probe_output_storage, start_job
-from ..memory import nodes_description, plan_for_job, require_fit
+from ..memory import nodes_description, plan_for_job, precision_for_job, require_fit
 from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
 from ..preflight import run_preflight
@@ -42,10 +42,25 @@ def env_file_values(job: LoadedJob) -> dict[str, str]:
     return read_env_file(job.resolve_local(job.spec.launch.env_file), job.where("launch.env_file"))
 
 
-def memory_choice(job: LoadedJob, nodes: list[Node], gpu_mem_gib, host_mem_gib) -> tuple[Resolved, dict]:
-    """The planner's configuration for these nodes, or DoesNotFit with the numbers."""
+def memory_choice(
+    job: LoadedJob, nodes: list[Node], gpu_mem_gib, host_mem_gib, compute_capability: float | None = None
+) -> tuple[Resolved, dict]:
+    """The planner's configuration for these nodes, or DoesNotFit with the numbers.
+
+    ``compute_capability`` (the lowest preflight found) decides ``precision: auto``:
+    bf16 from Ampere on, fp16 before. A job that insists on bf16 there is refused
+    here, before anything starts, rather than by every rank after loading the model.
+    """
+    bf16 = bf16_supported_by(compute_capability)
+    if not bf16 and precision_for_job(job, bf16_supported=False) == "bf16":
+        raise SpecError(
+            f"{job.where('train.precision')}: the job asks for bf16, but the nodes' GPUs have compute "
+            f"capability {compute_capability:g} and bf16 needs {BF16_MIN_COMPUTE_CAPABILITY:g} or newer "
+            "(Ampere, Hopper)",
+            fix="set train.precision: auto (fp16 on these GPUs), or remove bf16 from zero.config/zero.overrides",
+        )
     slots = [n.num_slots for n in nodes]
-    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib)
+    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, bf16_supported=bf16)
     require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
     return plan.resolved(), ds_config
 
@@ -92,8 +107,9 @@ def launch_command(
         phases.seconds["preflight_container_probe"] = max(report.container_probe_s.values(), default=0.0)
         gpu_mem = _min_reading(report, "gpu_mem_gib")
         host_mem = _min_reading(report, "host_mem_gib")
+        capability = _min_reading(report, "gpu_compute_capability")
         with phases.timed("memory_plan"):
-            resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem)
+            resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem, capability)
         plan = make_plan(
             job.spec,
             nodes,

@@ -126,6 +126,7 @@ class Facts:
     container_probe_s: float | None = None
     host_mem_bytes: int | None = None
     gpu_mem_mib: int | None = None  # the smallest of the GPUs the job uses
+    gpu_compute_capability: float | None = None  # the lowest of the GPUs the job uses
 
 
 def _run(conn: Connection, argv: list[str], timeout: float = QUICK_S, env: dict | None = None) -> Result:
@@ -513,8 +514,9 @@ def check_gpus(conn: Connection, ctx: Context, facts: Facts) -> list[Check]:
         facts.driver, facts.driver_cuda = p.parse_smi_header(header.stdout)
     except p.ParseError:
         facts.driver = gpus[0].driver_version if gpus else None
-    used = [g.memory_total_mib for g in gpus if g.index in ctx.node.gpus]
-    facts.gpu_mem_mib = min(used) if used else None
+    used = [g for g in gpus if g.index in ctx.node.gpus]
+    facts.gpu_mem_mib = min((g.memory_total_mib for g in used), default=None)
+    facts.gpu_compute_capability = min((cap for g in used if (cap := g.compute_capability) is not None), default=None)
     return [gpu_inventory_check(gpus, ctx.node.gpus, facts.driver_cuda)]
 
 

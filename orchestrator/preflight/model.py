@@ -70,6 +70,8 @@ class PreflightReport:
     # Per host, for the memory planner: the smallest GPU the job uses there, and RAM.
     gpu_mem_gib: dict[str, float] = field(default_factory=dict)
     host_mem_gib: dict[str, float] = field(default_factory=dict)
+    # Per host, the lowest compute capability of the GPUs the job uses (precision: auto).
+    gpu_compute_capability: dict[str, float] = field(default_factory=dict)
     infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
     container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node
 
@@ -92,6 +94,7 @@ class PreflightReport:
             "interfaces": self.interfaces,
             "gpu_mem_gib": self.gpu_mem_gib,
             "host_mem_gib": self.host_mem_gib,
+            "gpu_compute_capability": self.gpu_compute_capability,
             "infiniband": self.infiniband,
             "container_probe_s": self.container_probe_s,
             "hosts": [h.to_dict() for h in self.hosts],

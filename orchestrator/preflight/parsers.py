@@ -51,6 +51,17 @@ class Gpu:
     compute_cap: str
     ecc_uncorrected: int | None  # None: ECC off or not reported ("[N/A]")
 
+    @property
+    def compute_capability(self) -> float | None:
+        """``compute_cap`` as a number (``"9.0"`` → 9.0); ``None`` where nvidia-smi gives none.
+
+        A float orders every capability NVIDIA has shipped (minor versions are one digit).
+        """
+        try:
+            return float(self.compute_cap)
+        except ValueError:
+            return None
+
 
 def _int_or_none(text: str) -> int | None:
     text = text.strip()

@@ -171,6 +171,9 @@ def run_preflight(
         interfaces={h: interfaces[h] for h in hosts if h in interfaces},
         gpu_mem_gib={h: round(f.gpu_mem_mib / 1024, 1) for h, f in facts.items() if f.gpu_mem_mib},
         host_mem_gib={h: round(f.host_mem_bytes / 2**30, 1) for h, f in facts.items() if f.host_mem_bytes},
+        gpu_compute_capability={
+            h: f.gpu_compute_capability for h, f in facts.items() if f.gpu_compute_capability is not None
+        },
         infiniband={h: f.infiniband for h, f in facts.items() if f.infiniband},
         container_probe_s={h: round(f.container_probe_s, 3) for h, f in facts.items() if f.container_probe_s},
     )

@@ -35,7 +35,9 @@ def early_defaults(accelerator: str, env: MutableMapping[str, str] | None = None
         # caching allocator. Measured on 2xH200 (Qwen3-8B shape, micro-batch 6,
         # benchmarks/results/h200x2-20261130): default segments reserved 137.9 of
         # 140.4 GiB and had to flush the cache once; expandable segments reserved
-        # 127.2 GiB with no flush, at the same speed (6,644 vs 6,678 tokens/s/GPU).
+        # 127.2 GiB with no flush, for about 1% of speed (6,644 and 6,631 against
+        # 6,678 and 6,722 tokens/s/GPU in two device calls): headroom is worth it,
+        # since real data of varying lengths fragments more than that benchmark.
         wanted["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     applied = {}
     for name, value in wanted.items():

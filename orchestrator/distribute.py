@@ -454,7 +454,12 @@ def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_ti
 
 
 def _alive(conn) -> bool:
-    if conn is None:
+    """Whether the connection that carried the transfer still works.
+
+    Asked of the link itself first: a command run on a closed one would dial again
+    (see SSHConnection) and answer for a new link, not the one that failed.
+    """
+    if conn is None or not conn.connected:
         return False
     try:
         return conn.run(["true"], timeout=INSPECT_TIMEOUT).ok

@@ -20,12 +20,16 @@ through a ``Connection`` from a ``HostPool``:
 - Commands are argv lists, quoted with ``shlex.join`` here, at the one
   boundary where a shell (the remote login shell) is unavoidable.
 - ``localhost``, ``127.0.0.1`` and ``::1`` run locally with subprocess, no SSH.
+- A connection found closed when a command is about to start is dialled again,
+  once (the command had not run); a command whose connection drops while it runs
+  fails and is never repeated.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import getpass
 import logging
 import os
@@ -279,6 +283,11 @@ class Connection(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def connected(self) -> bool:
+        """Whether the link is up now, without dialling again (a local connection always is)."""
+        ...
+
 
 def command_line(argv: list[str] | tuple[str, ...], env: dict[str, str] | None = None) -> str:
     """The one place argv becomes a shell string: every word quoted, so values stay inert."""
@@ -316,16 +325,82 @@ def _stdin_chunks(stdin: Stdin) -> Iterable[bytes]:
         yield chunk
 
 
-class SSHConnection:
-    """One paramiko transport to one host; every command of a run is a channel on it."""
+Dial = Callable[[], tuple[paramiko.SSHClient, list[paramiko.SSHClient]]]
 
-    def __init__(self, host: HostConfig, client: paramiko.SSHClient, jumps: list[paramiko.SSHClient]) -> None:
+
+class SSHConnection:
+    """One paramiko transport to one host; every command of a run is a channel on it.
+
+    A transport that has closed (sshd restarted, a NAT or firewall dropped the idle
+    connection, the server hung up) is dialled again once, but only when the command
+    had not started: a channel that could not be opened ran nothing, so running it on
+    a fresh connection is safe. A command whose connection dies while it runs is never
+    repeated; it fails.
+    """
+
+    def __init__(
+        self,
+        host: HostConfig,
+        client: paramiko.SSHClient,
+        jumps: list[paramiko.SSHClient],
+        dial: Dial | None = None,
+    ) -> None:
         self.host = host.alias
         self.config = host
         self._client = client
         self._jumps = jumps  # kept open: the target's socket is a channel through them
+        self._dial = dial  # how to connect again (None: never)
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_lock = threading.Lock()
+        self._redial_lock = threading.Lock()
+        self.redials = 0  # how often the connection had to be dialled again
+
+    def _transport(self) -> paramiko.Transport | None:
+        return self._client.get_transport()
+
+    @property
+    def connected(self) -> bool:
+        transport = self._transport()
+        return transport is not None and transport.is_active()
+
+    def _redial(self, dead: paramiko.Transport | None) -> paramiko.Transport:
+        """A live transport in place of ``dead``; RemoteError when the host cannot be reached again."""
+        with self._redial_lock:
+            current = self._transport()
+            if current is not dead and current is not None and current.is_active():
+                return current  # another thread has dialled again already
+            if self._dial is None:
+                raise RemoteError(f"{self.host}: the SSH connection has closed", fix="rerun; check the host's sshd")
+            try:
+                client, jumps = self._dial()
+            except RemoteError as exc:
+                raise RemoteError(
+                    f"{self.host}: the SSH connection closed, and connecting again failed: {exc}",
+                    fix=exc.fix or "check the host's sshd",
+                ) from None
+            old_client, old_jumps = self._client, self._jumps
+            with self._sftp_lock:
+                self._sftp = None  # belonged to the old transport
+            self._client, self._jumps = client, jumps
+            self.redials += 1
+            log.warning("%s: the SSH connection had closed; connected again", self.host)
+        old_client.close()
+        for jump in reversed(old_jumps):
+            jump.close()
+        return self._transport()
+
+    def _open_channel(self, deadline: _Deadline) -> paramiko.Channel:
+        """A session channel, dialling again once if the connection turns out to be gone."""
+        transport = self._transport()
+        redialled = transport is None or not transport.is_active()
+        if redialled:
+            transport = self._redial(transport)
+        try:
+            return transport.open_session(timeout=deadline.left() or DEFAULT_CONNECT_TIMEOUT)
+        except (paramiko.SSHException, OSError, EOFError):
+            if redialled or transport.is_active():
+                raise  # once per command; and a live server that refuses (MaxSessions) did not drop us
+        return self._redial(transport).open_session(timeout=deadline.left() or DEFAULT_CONNECT_TIMEOUT)
 
     def run(
         self,
@@ -341,11 +416,8 @@ class SSHConnection:
         line = command_line(argv, env)
         started = time.monotonic()
         deadline = _Deadline(timeout)
-        transport = self._client.get_transport()
-        if transport is None or not transport.is_active():
-            raise RemoteError(f"{self.host}: the SSH connection has closed", fix="rerun; check the host's sshd")
         try:
-            chan = transport.open_session(timeout=deadline.left() or DEFAULT_CONNECT_TIMEOUT)
+            chan = self._open_channel(deadline)
             chan.exec_command(line)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise RemoteError(f"{self.host}: cannot start `{line}`: {exc}") from None
@@ -408,6 +480,9 @@ class SSHConnection:
         return _text(out), _text(err)
 
     def _sftp_client(self) -> paramiko.SFTPClient:
+        transport = self._transport()
+        if transport is None or not transport.is_active():
+            self._redial(transport)  # nothing was sent yet: as for a command's channel
         with self._sftp_lock:
             if self._sftp is None:
                 self._sftp = self._client.open_sftp()
@@ -482,6 +557,10 @@ class LocalConnection:
 
     def __init__(self, host: str = "localhost") -> None:
         self.host = host
+
+    @property
+    def connected(self) -> bool:
+        return True
 
     def run(
         self,
@@ -652,6 +731,12 @@ class HostPool:
         if host in LOCAL_HOSTS:
             return LocalConnection(host)
         config = self.resolve(host)
+        client, jumps = self._dial(config)
+        return SSHConnection(config, client, jumps, dial=functools.partial(self._dial, config))
+
+    def _dial(self, config: HostConfig) -> tuple[paramiko.SSHClient, list[paramiko.SSHClient]]:
+        """An authenticated client for the host, and the jump hosts' clients its socket runs through."""
+        host = config.alias
         jumps: list[paramiko.SSHClient] = []
         sock = None
         try:
@@ -680,7 +765,7 @@ class HostPool:
                 f"{host}: cannot reach it through ProxyJump {','.join(config.proxy_jump)}: {exc}",
                 fix="check the jump host's ssh_config entry and that it may forward TCP (AllowTcpForwarding)",
             ) from None
-        return SSHConnection(config, client, jumps)
+        return client, jumps
 
     def _hop_config(self, hop: str) -> HostConfig:
         """A ProxyJump hop (``[user@]host[:port]``), resolved through the same config, without its own jumps."""

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -116,20 +115,6 @@ def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, base_ima
     assert elapsed < 3.0, f"a no-op distribute took {elapsed:.1f} s"
 
 
-def _session_sshd_pids(cluster, host) -> list[int]:
-    """sshd processes serving connections to this host (not its listener)."""
-    out = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
-    pids = []
-    for pid in map(int, out):
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if comm.startswith("sshd") and pid != host.sshd_pid:
-            pids.append(pid)
-    return pids
-
-
 @pytest.mark.integration
 def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_docker_url, base_image):
     hosts = cluster(3, docker=True)
@@ -141,9 +126,7 @@ def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_dock
     def on_progress(progress):
         # Cut node1's SSH connection once it has taken 40 MB: mid-transfer, well before the end.
         if not killed and progress.sent.get(victim.name, 0) > 40_000_000:
-            killed.extend(_session_sshd_pids(hosts, victim))
-            for pid in killed:
-                os.kill(pid, signal.SIGKILL)
+            killed.extend(hosts.drop_connections(victim))
 
     with HostPool([h.name for h in hosts.hosts], ssh_config=hosts.ssh_config) as pool:
         result = distribute_image(

@@ -7,6 +7,7 @@ import io
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -143,6 +144,37 @@ def test_shell_metacharacters_stay_inert(cluster):
         result = conn.run(["sh", "-c", 'printf %s "$DZ"'], env={"DZ": values[0]}, check=True)
         assert result.stdout == values[0]
     assert not Path(marker).exists()
+
+
+@pytest.mark.integration
+def test_a_connection_lost_between_commands_is_dialled_again(cluster):
+    hosts = cluster(1)
+    host = hosts.hosts[0]
+    with HostPool([host.name], ssh_config=hosts.ssh_config, connect_timeout=5) as pool:
+        conn = pool.connection(host.name)
+        first = conn.run(["sh", "-c", "echo $SSH_CONNECTION"], check=True).stdout
+        assert hosts.drop_connections(host), "no sshd session process found"
+        # The next command had not started when the connection went: it runs on a new one.
+        again = conn.run(["sh", "-c", "echo $SSH_CONNECTION"], check=True).stdout
+        assert again.split()[2] == host.address and again.split()[1] != first.split()[1]  # a new client port
+        assert conn.redials == 1
+        conn.put(b"x", "/tmp/dzctl-redial-check")  # SFTP follows the new connection too
+        # A command whose connection dies while it runs is not repeated: it fails.
+        marker = Path(f"/tmp/dzctl-redial-{uuid.uuid4().hex}")
+        cut = threading.Timer(1.0, hosts.drop_connections, args=(host,))
+        cut.start()
+        with pytest.raises(RemoteError):
+            conn.run(["sh", "-c", f"echo run >> {marker}; sleep 10"], timeout=30, check=True)
+        cut.join()
+        assert marker.read_text() == "run\n"
+        assert conn.redials == 1
+        marker.unlink()
+        # With sshd itself gone, the error says both what happened and what failed next.
+        hosts.stop_sshd(host)
+        hosts.drop_connections(host)
+        with pytest.raises(RemoteError, match="the SSH connection closed, and connecting again failed") as info:
+            conn.run(["true"])
+        assert "Connection refused" in str(info.value)
 
 
 @pytest.mark.integration

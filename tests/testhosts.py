@@ -280,7 +280,8 @@ class TestCluster:
             "MaxSessions 64",
             "MaxStartups 100:30:200",
             "Subsystem sftp internal-sftp",
-            "LogLevel ERROR",
+            # VERBOSE: each connection's close and its reason, for a drop seen in CI.
+            "LogLevel VERBOSE",
         ]
         if host.docker_socket is not None:
             # Sessions on this host talk to its own dockerd, as on a real node.
@@ -342,6 +343,26 @@ class TestCluster:
             os.kill(pid, signal.SIGTERM)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+
+    def drop_connections(self, host: TestHost) -> list[int]:
+        """SIGKILL the sshd processes serving connections to ``host``, not its listener.
+
+        What a client sees when a firewall or NAT drops the flow, or the server side
+        of a session dies: its connections close, and new ones are still accepted.
+        Returns the pids killed.
+        """
+        out = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+        killed = []
+        for pid in map(int, out):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm.startswith("sshd") and pid != host.sshd_pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        return killed
 
     def _wait_port(self, host: TestHost, proc: subprocess.Popen, timeout: float) -> None:
         deadline = time.monotonic() + timeout

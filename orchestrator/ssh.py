@@ -418,7 +418,9 @@ class SSHConnection:
         deadline = _Deadline(timeout)
         try:
             chan = self._open_channel(deadline)
-            chan.exec_command(line)
+            # Without input the command reads /dev/null, so `cat`-like commands do not wait.
+            # Not an SSH EOF after the start: see _end_input for why.
+            chan.exec_command(line if stdin is not None else f"{line} </dev/null")
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise RemoteError(f"{self.host}: cannot start `{line}`: {exc}") from None
         writer = None
@@ -426,12 +428,11 @@ class SSHConnection:
             if stdin is not None:
                 writer = threading.Thread(target=self._feed, args=(chan, stdin), daemon=True)
                 writer.start()
-            else:
-                chan.shutdown_write()  # EOF at once, so `cat`-like commands do not wait
             out, err = self._collect(chan, deadline, on_stdout, on_stderr, line)
             code = chan.recv_exit_status()
         finally:
-            chan.close()
+            with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                chan.close()  # on a link that just died this raises; what ran is reported below
         if writer is not None:
             writer.join(timeout=5)
             if getattr(chan, "_dz_feed_error", None) is not None:
@@ -444,7 +445,7 @@ class SSHConnection:
         try:
             for chunk in _stdin_chunks(stdin):
                 chan.sendall(chunk)
-            chan.shutdown_write()
+            _end_input(chan)
         except OSError as exc:
             if chan.closed or chan.exit_status_ready():
                 return  # the command exited without reading it all; its exit code says why
@@ -538,6 +539,27 @@ class SSHConnection:
         self._client.close()
         for jump in reversed(self._jumps):
             jump.close()
+
+
+def _end_input(chan: paramiko.Channel) -> None:
+    """``chan.shutdown_write()`` without paramiko's race (paramiko issues #1115, #1584, #1705).
+
+    paramiko builds the EOF message under the channel's lock but sends it after
+    releasing it. When the command has just ended, the transport thread can send
+    its CLOSE (its answer to the server's) in between; the EOF then follows the
+    CLOSE, and OpenSSH drops the whole connection, every channel on it ("ieof
+    packet referred to nonexistent channel 0", seen in this project's CI as a
+    node whose preflight checks all failed at once). Sent while holding the lock,
+    which the transport thread's close handling takes too, the EOF cannot be
+    overtaken; a channel already closed gets none. (During a key exchange the send
+    waits for it to finish, at most paramiko's ``clear_to_send_timeout``.)
+    """
+    with chan.lock:
+        if chan.closed or chan.eof_sent:
+            return
+        message = chan._send_eof()
+        if message is not None:
+            chan.transport._send_user_message(message)
 
 
 def _deliver(data: bytes, sink: list[bytes], callback: OutputCallback | None) -> None:

@@ -446,13 +446,17 @@ class SSHConnection:
             for chunk in _stdin_chunks(stdin):
                 chan.sendall(chunk)
             _end_input(chan)
+        except EOFError:
+            # paramiko's word for a transport that is gone (it carries no message).
+            chan._dz_feed_error = ConnectionError("the SSH connection closed")
         except OSError as exc:
             if chan.closed or chan.exit_status_ready():
                 return  # the command exited without reading it all; its exit code says why
             chan._dz_feed_error = exc
         except Exception as exc:  # reading the local source failed: reported by run()
             chan._dz_feed_error = exc
-            chan.close()  # or the command would wait for the rest of its input forever
+            with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                chan.close()  # or the command would wait for the rest of its input forever
 
     def _collect(self, chan, deadline, on_stdout, on_stderr, line) -> tuple[str, str]:
         out: list[bytes] = []

@@ -173,9 +173,11 @@ def test_a_connection_lost_between_commands_is_dialled_again(cluster):
         again = conn.run(["sh", "-c", "echo $SSH_CONNECTION"], check=True).stdout
         assert again.split()[2] == host.address and again.split()[1] != first.split()[1]  # a new client port
         assert conn.redials == 1
-        conn.put(b"x", "/tmp/dzctl-redial-check")  # SFTP follows the new connection too
-        # A command whose connection dies while it runs is not repeated: it fails.
         marker = Path(f"/tmp/dzctl-redial-{uuid.uuid4().hex}")
+        conn.put(b"x", str(marker))  # SFTP follows the new connection too
+        assert marker.read_bytes() == b"x"
+        marker.unlink()
+        # A command whose connection dies while it runs is not repeated: it fails.
         cut = threading.Timer(1.0, hosts.drop_connections, args=(host,))
         cut.start()
         with pytest.raises(RemoteError):

@@ -430,10 +430,13 @@ def test_set_overrides_apply_or_fail_cleanly(tmp_path_factory, overrides):
 
 
 def _cli():
+    import click
+
     from orchestrator.cli import main
 
-    assert "launch" in main.commands, (
-        "dzctl launch is not registered (orchestrator/commands/__init__.py COMMAND_MODULES); "
+    # Commands load on first use: ask the group, which imports the module, not main.commands.
+    assert main.get_command(click.Context(main), "launch") is not None, (
+        "dzctl launch is not registered (orchestrator/commands/__init__.py COMMANDS); "
         "the CLI half of the property tests needs it"
     )
     return main

@@ -18,4 +18,3 @@ COMMANDS = {
     "status": "orchestrator.commands.jobs",
     "stop": "orchestrator.commands.jobs",
 }
-COMMAND_MODULES = sorted(set(COMMANDS.values()))

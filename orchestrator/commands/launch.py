@@ -16,7 +16,7 @@ from ..errors import RuntimeFailure, SpecError
 from ..hostfile import Node
 from ..jobfiles import job_files, resolved_spec, secret_env
 from ..launch import Phases, probe_output_storage, start_job
-from ..memory import nodes_description, plan_for_job, precision_for_job, require_fit
+from ..memory import nodes_description, plan_for_job, require_fit
 from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
 from ..preflight import run_preflight
@@ -52,15 +52,15 @@ def memory_choice(
     here, before anything starts, rather than by every rank after loading the model.
     """
     bf16 = bf16_supported_by(compute_capability)
-    if not bf16 and precision_for_job(job, bf16_supported=False) == "bf16":
+    slots = [n.num_slots for n in nodes]
+    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, bf16_supported=bf16)
+    if not bf16 and plan.precision == "bf16":  # auto would have become fp16: the job forces bf16
         raise SpecError(
             f"{job.where('train.precision')}: the job asks for bf16, but the nodes' GPUs have compute "
             f"capability {compute_capability:g} and bf16 needs {BF16_MIN_COMPUTE_CAPABILITY:g} or newer "
             "(Ampere, Hopper)",
             fix="set train.precision: auto (fp16 on these GPUs), or remove bf16 from zero.config/zero.overrides",
         )
-    slots = [n.num_slots for n in nodes]
-    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, bf16_supported=bf16)
     require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
     return plan.resolved(), ds_config
 

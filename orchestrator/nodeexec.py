@@ -58,16 +58,25 @@ def _read_env_file(path: str) -> dict[str, str]:
     return values
 
 
+def _stat_field(pid: int | str, number: int) -> int | None:
+    """Field ``number`` (1-based, as in proc(5)) of /proc/PID/stat; None if the process is gone.
+
+    The command name (field 2) may hold spaces and parentheses: fields are counted
+    from the last ')'.
+    """
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[number - 3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _start_ticks(pid: int) -> int | None:
     """When the process started (clock ticks since boot, /proc/PID/stat field 22), or None if gone.
 
     With the pid it names one process for good: pids are reused (pid_max is
     often 32768), and a stale pid must never get a signal meant for a rank.
     """
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    return _stat_field(pid, 22)
 
 
 def _alive(pid: int, ticks: int | None = None) -> bool:
@@ -213,12 +222,9 @@ def _descendants(root: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            # The command name may hold spaces and parentheses: the ppid follows the last ')'.
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
+        ppid = _stat_field(entry.name, 4)
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(entry.name))
     found, todo = [], [root]
     while todo:
         pid = todo.pop()

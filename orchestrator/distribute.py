@@ -333,12 +333,13 @@ def distribute_image(
     outcomes: dict[str, HostOutcome] = {}
     needing: list[str] = []
     untagged: list[str] = []
+    name = _full_name(image)
     for host, state in check_hosts(pool, hosts, image_id).items():
         if isinstance(state, BaseException):
             outcomes[host] = HostOutcome(host, "failed", str(state))
         elif state[0] == image_id:
             outcomes[host] = HostOutcome(host, "present", "already had it", image_id)
-            if _full_name(image) and _full_name(image) not in state[1]:
+            if name and name not in state[1]:
                 untagged.append(host)
         else:
             needing.append(host)

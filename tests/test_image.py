@@ -206,7 +206,8 @@ def docker_cli(args: list[str], docker_url: str, timeout: float = 600) -> subpro
     return subprocess.run(["docker", "-H", docker_url, *args], capture_output=True, text=True, timeout=timeout)
 
 
-CPU_TAG = "dzctl-test/cpu:latest"
+# Parallel test runs on one daemon (several checkouts) each name their own image.
+CPU_TAG = os.environ.get("DZCTL_TEST_CPU_TAG", "dzctl-test/cpu:latest")
 CUDA_SYSTEM_TAG = "dzctl-test/cuda:system"
 
 

@@ -258,5 +258,9 @@ def test_different_image_ids_are_caught(cluster, tmp_path):
     nodes = load_nodes(hostfile)
     with HostPool([n.host for n in nodes], ssh_config=hosts.ssh_config) as pool:
         report = run_preflight(load_job(CPU_JOB, [f"image={tag}", "launch.master_port=29546"], "docker"), nodes, pool)
-    odd = report.host(hosts.hosts[1].name).check("same-everywhere")
-    assert odd.status == "fail" and "image ID" in odd.detail and "dzctl distribute" in odd.fix
+    # Two nodes, two IDs: no majority, so both fail and each message names both IDs with their nodes.
+    for host in hosts.hosts:
+        skew = report.host(host.name).check("same-everywhere")
+        assert skew.status == "fail" and "dzctl distribute" in skew.fix
+        for other, image_id in zip(hosts.hosts, ids, strict=True):
+            assert f"{image_id[:19]} on {other.name}" in skew.detail, skew.detail

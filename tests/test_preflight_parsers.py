@@ -290,6 +290,53 @@ def test_same_everywhere_names_the_odd_node():
     assert "driver 580.159.04" in checks["a"].detail
 
 
+IMAGE_GOOD = "sha256:" + "ab" * 32
+IMAGE_ODD = "sha256:" + "cd" * 32
+
+
+def _skewed(odd: int, key: str) -> dict[str, Facts]:
+    facts = {h: _facts(torch="2.8.0", deepspeed="0.19.8") for h in ("a", "b", "c")}
+    for f in facts.values():
+        f.driver, f.image_id = "580.159.04", IMAGE_GOOD
+    odd_facts = facts["abc"[odd]]
+    if key == "torch":
+        odd_facts.env["torch"] = "2.7.1"
+    else:
+        odd_facts.image_id = IMAGE_ODD
+    return facts
+
+
+@pytest.mark.parametrize("key", ["torch", "image"])
+@pytest.mark.parametrize("odd", [0, 1, 2], ids=["odd-first", "odd-middle", "odd-last"])
+def test_same_everywhere_blames_the_minority_wherever_it_sits(odd, key):
+    """The majority is the reference: node 0 being the odd one must not fail the two good nodes."""
+    hosts = ["a", "b", "c"]
+    checks = same_everywhere(hosts, _skewed(odd, key), _spec(runtime="docker"))
+    odd_host = hosts[odd]
+    good = [h for h in hosts if h != odd_host]
+    assert [h for h in hosts if checks[h].status == "fail"] == [odd_host]
+    detail = checks[odd_host].detail
+    if key == "torch":
+        assert f"torch 2.7.1 here, 2.8.0 on {', '.join(good)}" in detail
+    else:  # both image IDs named, as docs/reliability.md promises
+        assert f"image ID {IMAGE_ODD[:19]} here, {IMAGE_GOOD[:19]} on {', '.join(good)}" in detail
+        assert "dzctl distribute" in checks[odd_host].fix
+    for host in good:
+        assert checks[host].status == "ok"
+
+
+def test_same_everywhere_tie_names_every_value_and_its_nodes():
+    facts = {h: _facts(torch="2.8.0") for h in ("a", "b", "c", "d")}
+    for h in ("a", "b", "c", "d"):
+        facts[h].image_id = IMAGE_GOOD if h in ("a", "c") else IMAGE_ODD
+    checks = same_everywhere(["a", "b", "c", "d"], facts, _spec(runtime="docker"))
+    expected = f"image ID differs with no majority: {IMAGE_GOOD[:19]} on a, c; {IMAGE_ODD[:19]} on b, d"
+    assert all(checks[h].status == "fail" and checks[h].detail == expected for h in "abcd")
+    two = same_everywhere(["a", "b"], {"a": facts["a"], "b": facts["b"]}, _spec(runtime="docker"))
+    assert two["a"].status == two["b"].status == "fail"
+    assert IMAGE_GOOD[:19] in two["a"].detail and IMAGE_ODD[:19] in two["a"].detail
+
+
 def test_checks_and_report_shape():
     with pytest.raises(ValueError, match="without a fix"):
         Check("x", "fail", "broken")

@@ -369,21 +369,37 @@ SAME_KEYS = (
 
 
 def same_everywhere(hosts: list[str], facts: dict[str, c.Facts], spec: JobSpec) -> dict[str, Check]:
-    """Pure: the same driver, image, NCCL, torch and deepspeed on all nodes that reported them."""
+    """Pure: the same driver, image, NCCL, torch and deepspeed on all nodes that reported them.
+
+    The value most nodes share is the reference, so the odd node is blamed wherever it sits in the
+    hostfile (comparing to node 0 would blame every good node when node 0 is the odd one). With no
+    majority (two nodes, or a tie) there is no telling which is right: every node fails, and the
+    message names each value with its nodes."""
     differences: dict[str, list[str]] = {h: [] for h in hosts}
     agreed = []
     for _key, label, get in SAME_KEYS:
         values = {h: get(facts[h]) for h in hosts if get(facts[h])}
         if not values:
             continue
-        reference_host = next(iter(values))
-        reference = values[reference_host]
-        if len(set(values.values())) == 1:
-            agreed.append(f"{label} {str(reference)[:19]}")
-            continue
+        by_value: dict[object, list[str]] = {}
         for host, value in values.items():
-            if value != reference:
-                differences[host].append(f"{label} {str(value)[:19]} here, {str(reference)[:19]} on {reference_host}")
+            by_value.setdefault(value, []).append(host)
+        if len(by_value) == 1:
+            agreed.append(f"{label} {_short(next(iter(by_value)))}")
+            continue
+        ranked = sorted(by_value.items(), key=lambda item: len(item[1]), reverse=True)
+        (reference, holders), runner_up = ranked[0], ranked[1]
+        if len(holders) > len(runner_up[1]):
+            for host, value in values.items():
+                if value != reference:
+                    differences[host].append(
+                        f"{label} {_short(value)} here, {_short(reference)} on {_names(holders)}"
+                        f" ({len(holders)} of {len(values)} nodes)"
+                    )
+        else:
+            every = "; ".join(f"{_short(value)} on {_names(owners)}" for value, owners in by_value.items())
+            for host in values:
+                differences[host].append(f"{label} differs with no majority: {every}")
     out = {}
     for host in hosts:
         if differences[host]:
@@ -396,3 +412,13 @@ def same_everywhere(hosts: list[str], facts: dict[str, c.Facts], spec: JobSpec) 
         else:
             out[host] = ok("same-everywhere", ("same " + ", ".join(agreed)) if agreed else "nothing to compare")
     return out
+
+
+def _short(value: object) -> str:
+    """An image ID as `docker images` shows it (sha256: and 12 hex digits); versions whole."""
+    return str(value)[:19]
+
+
+def _names(hosts: list[str], limit: int = 4) -> str:
+    shown = ", ".join(hosts[:limit])
+    return shown + (f" and {len(hosts) - limit} more" if len(hosts) > limit else "")

@@ -256,11 +256,30 @@ def stop(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline and any(_alive(p, t) for p, t in tree.items()):
         time.sleep(0.2)
     _signal_all(tree, signal.SIGKILL)
-    # Wait for the supervisor to record the exit code (it reaps the launcher).
+    # Wait for the supervisor to record the exit code (it reaps the launcher), and for the tree to go.
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (_read_state(state_path) or {}).get("exit_code") is None:
+    while time.monotonic() < deadline and (
+        (_read_state(state_path) or {}).get("exit_code") is None or _survivors(tree)
+    ):
         time.sleep(0.1)
+    survivors = _survivors(tree)
+    if survivors:
+        # Unkillable (uninterruptible I/O, another user's process): say so, the controller reports it.
+        print(f"rank {args.rank}: still running after SIGKILL: pids {' '.join(map(str, survivors))}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _survivors(tree: dict[int, int | None]) -> list[int]:
+    """The pids of ``tree`` still running (a zombie has ended: only its parent's wait is missing)."""
+    return [pid for pid, ticks in tree.items() if _alive(pid, ticks) and _proc_state(pid) != "Z"]
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

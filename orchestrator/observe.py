@@ -91,18 +91,51 @@ def _last_error_line(record: JobRecord, pool: HostPool, rank: int) -> str | None
 
 
 def stop_nodes(record: JobRecord, pool: HostPool, *, remove: bool, ranks: list[int] | None = None) -> dict:
-    """Stop (and remove) every rank's container or process, all nodes at once; outcomes per host."""
+    """Stop (and remove) every rank's container or process, all nodes at once; outcomes per host.
+
+    A host's outcome is "stopped" only once asking the node again shows the rank gone: the exit
+    codes of `docker stop`/`docker rm` alone can lie (a daemon that is down fails them while its
+    container runs on), and so can a stop that timed out. Otherwise a ``RemoteError`` naming what
+    failed and what the node still reports."""
     by_host = {n["host"]: n for n in record.plan["nodes"] if ranks is None or n["node_rank"] in ranks}
 
     def one(conn) -> str:
         node = by_host[conn.host]
-        conn.run(stop_argv(record.runtime, node, _python(record)), timeout=STOP_TIMEOUT_S)
+        failures = []
+        stop = conn.run(stop_argv(record.runtime, node, _python(record)), timeout=STOP_TIMEOUT_S)
+        if not stop.ok:
+            failures.append(_ended(stop))
         argv = remove_argv(record.runtime, node)
         if remove and argv:
-            conn.run(argv, timeout=STOP_TIMEOUT_S)
+            removed = conn.run(argv, timeout=STOP_TIMEOUT_S)
+            if not removed.ok and "No such container" not in removed.stderr:
+                failures.append(_ended(removed))
+        seen = conn.run(inspect_argv(record.runtime, node, _python(record)), timeout=INSPECT_TIMEOUT_S)
+        try:
+            state = parse_inspect(record.runtime, seen.exit_code, seen.stdout, seen.stderr)
+        except (ValueError, KeyError) as exc:
+            state = NodeState("unreachable", error=f"unreadable state: {exc}")
+        if state.state not in _gone_states(record.runtime, remove):
+            why = f": {state.error}" if state.error else ""
+            failures.append(f"rank {node['node_rank']} is still {state.state}{why}")
+        if failures:
+            raise RemoteError(f"{conn.host}: not stopped: " + "; ".join(failures))
         return "stopped"
 
     return dict(pool.map(one, by_host))
+
+
+def _gone_states(runtime: str, removed: bool) -> frozenset[str]:
+    """What `inspect` may say of a rank that is stopped: a removed container is missing; a process
+    rank leaves its record behind (exited, or dead when its supervisor was killed)."""
+    if runtime == "docker" and removed:
+        return frozenset({"missing"})
+    return frozenset({"missing", "exited", "dead"})
+
+
+def _ended(result) -> str:
+    tail = (result.stderr.strip() or result.stdout.strip()).splitlines()
+    return f"`{' '.join(result.argv[:2])}` {result.how_it_ended}" + (f" ({tail[-1][-300:]})" if tail else "")
 
 
 class LinePrefixer:

@@ -51,7 +51,9 @@ def node_failed(node: NodeStatus) -> bool:
 
 def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:
     if record_state == "stopped":
-        return "stopped"
+        # The record says someone stopped it; the nodes have the last word: a rank still running
+        # (a stop that failed on that node, or a relaunch outside dzctl) is not stopped.
+        return "running" if any(n.state == "running" for n in nodes) else "stopped"
     if any(node_failed(n) for n in nodes):
         return "failed"
     states = {n.state for n in nodes}

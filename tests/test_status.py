@@ -25,6 +25,9 @@ def node(rank, state, exit_code=None, finished=None, oom=False):
         ("running", [node(0, "running"), node(1, "exited", 137, 5.0)], "failed"),
         ("running", [node(0, "exited", 75, 9.0), node(1, "exited", 137, 5.0)], "failed"),
         ("stopped", [node(0, "missing"), node(1, "missing")], "stopped"),
+        # A stop that failed on a node (its dockerd down, an unkillable rank): the nodes win over the record.
+        ("stopped", [node(0, "running"), node(1, "running")], "running"),
+        ("stopped", [node(0, "missing"), node(1, "running")], "running"),
         ("starting", [node(0, "missing"), node(1, "created")], "pending"),
         ("succeeded", [node(0, "missing"), node(1, "missing")], "succeeded"),
         ("running", [node(0, "missing"), node(1, "running")], "failed"),

@@ -155,7 +155,9 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
         if failed:
             raise RuntimeFailure(
                 f"could not stop job {record.job_id} on {', '.join(failed)}",
-                fix=f"rerun `dzctl stop {record.job_id}` once the host is reachable",
+                fix=f"fix what each node reports above (host unreachable, its Docker daemon down, a rank that"
+                f" ignores SIGKILL), then rerun `dzctl stop {record.job_id}`; `dzctl status {record.job_id}`"
+                " shows what still runs",
             )
 
 

@@ -9,7 +9,17 @@ from collections.abc import Callable
 from .errors import RemoteError
 from .nodeops import NodeState, inspect_argv, logs_argv, parse_inspect, progress_argv, remove_argv, stop_argv
 from .ssh import HostPool
-from .status import JobStatus, derive_state, error_on_node, first_failure, node_status, parse_progress
+from .status import (
+    GANG_LINE,
+    JobStatus,
+    derive_state,
+    error_on_node,
+    failure_sequence,
+    first_failure,
+    node_failed,
+    node_status,
+    parse_progress,
+)
 from .store import JobRecord
 
 INSPECT_TIMEOUT_S = 30
@@ -54,12 +64,18 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
     except RemoteError:
         pass  # the node states already say the host is unreachable
     reasons: dict[int, str] = {}
-    first = first_failure(nodes, {})
+    slots = [n["slots"] for n in record.plan["nodes"]]
+    sequence = failure_sequence(errors, slots)
+    # The failed ranks' own words: who was stopped by the gang watchdog (not first), and why each ended.
+    failed = {n.node_rank: n.host for n in nodes if node_failed(n)}
+    logs = pool.map(lambda conn: _log_lines(record, conn, _rank_of(record, conn.host)), list(failed.values()))
+    lines = {rank: logs.get(host) if isinstance(logs.get(host), list) else [] for rank, host in failed.items()}
+    gang_stopped = {rank for rank, found in lines.items() if any(GANG_LINE in line for line in found)}
+    first = first_failure(nodes, {}, sequence, gang_stopped)
     if first is not None:
         rank = first["node_rank"]
-        slots = [n["slots"] for n in record.plan["nodes"]]
         # The trainer's own error event says it best; else the rank's log; else the exit code.
-        reason = error_on_node(errors, slots, rank) or _last_error_line(record, pool, rank)
+        reason = error_on_node(errors, slots, rank) or _error_line(lines.get(rank, []))
         if reason:
             reasons[rank] = reason
     state = derive_state(record.state, nodes)
@@ -70,20 +86,25 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         nodes=nodes,
         progress=progress,
         progress_age_s=age,
-        first_failure=first_failure(nodes, reasons),
+        first_failure=first_failure(nodes, reasons, sequence, gang_stopped),
     )
 
 
-def _last_error_line(record: JobRecord, pool: HostPool, rank: int) -> str | None:
-    """The last line that reads like an error in the rank's log (else its last line)."""
+def _rank_of(record: JobRecord, host: str) -> int:
+    return next(n["node_rank"] for n in record.plan["nodes"] if n["host"] == host)
+
+
+def _log_lines(record: JobRecord, conn, rank: int) -> list[str]:
+    """The last 50 non-empty lines of the rank's log."""
     node = record.plan["nodes"][rank]
-    try:
-        result = pool.connection(node["host"]).run(
-            logs_argv(record.runtime, node, _python(record), tail=50, follow=False), timeout=INSPECT_TIMEOUT_S
-        )
-    except RemoteError:
-        return None
-    lines = [x.strip() for x in (result.stdout + "\n" + result.stderr).splitlines() if x.strip()]
+    result = conn.run(
+        logs_argv(record.runtime, node, _python(record), tail=50, follow=False), timeout=INSPECT_TIMEOUT_S
+    )
+    return [x.strip() for x in (result.stdout + "\n" + result.stderr).splitlines() if x.strip()]
+
+
+def _error_line(lines: list[str]) -> str | None:
+    """The last line that reads like an error in a rank's log."""
     for line in reversed(lines):
         if any(word in line for word in ("Error", "error:", "Exception", "FAILED", "Killed", "dzctl gang")):
             return line[-400:]

@@ -70,12 +70,37 @@ def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:
     return record_state
 
 
-def first_failure(nodes: list[NodeStatus], reasons: dict[int, str]) -> dict | None:
-    """The rank that failed first: the earliest end among failed nodes (the others were stopped after it)."""
+GANG_EXIT_CODE = 75  # orchestrator.train.gang's own exit: "stopped because another node failed"
+GANG_LINE = "dzctl gang: node "  # what the gang watchdog prints before it ends its node (train/gang.py)
+
+
+def first_failure(
+    nodes: list[NodeStatus],
+    reasons: dict[int, str],
+    sequence: dict[int, int] | None = None,
+    gang_stopped: set[int] | frozenset[int] = frozenset(),
+) -> dict | None:
+    """The rank that failed first, decided without comparing node clocks (which may differ by minutes):
+
+    1. a node the gang watchdog stopped (``gang_stopped``: its log says so; or exit 75) was stopped
+       because another node failed: it comes after every node that failed on its own;
+    2. then the rendezvous store's failure counter (``sequence``: node rank -> 1 for the first node
+       to report a failure, from the ranks' error events): one counter on the master for all nodes;
+    3. only then end times, which come from each node's own clock (two nodes killed outright leave
+       nothing else), and the node rank.
+    """
     failed = [n for n in nodes if node_failed(n)]
     if not failed:
         return None
-    first = min(failed, key=lambda n: (n.finished_at is None, n.finished_at or 0.0, n.node_rank))
+    sequence = sequence or {}
+
+    def order(n: NodeStatus) -> tuple:
+        seq = sequence.get(n.node_rank)
+        stopped_by_gang = n.node_rank in gang_stopped or n.exit_code == GANG_EXIT_CODE
+        return (stopped_by_gang, seq is None, seq or 0, n.finished_at is None, n.finished_at or 0.0,
+                n.node_rank)  # fmt: skip
+
+    first = min(failed, key=order)
     return {
         "node_rank": first.node_rank,
         "host": first.host,
@@ -89,6 +114,8 @@ def describe_exit(node: NodeStatus) -> str:
         return "killed by the kernel's OOM killer (host memory)"
     if node.exit_code == 137:
         return "killed (SIGKILL, exit 137): OOM killer, docker kill, or a lost node"
+    if node.exit_code == GANG_EXIT_CODE:
+        return "stopped by dzctl's gang watchdog because another node failed (exit 75)"
     if node.exit_code == 143:
         return "terminated (SIGTERM, exit 143)"
     if node.state == "dead":
@@ -132,7 +159,10 @@ def parse_progress(
             last_step = {**(last_step or {}), "step": event["step"], "max_steps": event.get("max_steps"),
                          "event": event["event"]}  # fmt: skip
         if event.get("event") == "error":
-            errors.append({"rank": event.get("rank"), "reason": str(event.get("reason") or "error")})
+            error = {"rank": event.get("rank"), "reason": str(event.get("reason") or "error")}
+            if isinstance(event.get("failure_seq"), int):
+                error["failure_seq"] = event["failure_seq"]
+            errors.append(error)
     progress = None
     if last_step is not None:
         progress = {
@@ -155,6 +185,18 @@ def error_on_node(errors: list[dict], slots: list[int], node_rank: int) -> str |
         if isinstance(error.get("rank"), int) and error["rank"] in mine:
             return error["reason"]
     return None
+
+
+def failure_sequence(errors: list[dict], slots: list[int]) -> dict[int, int]:
+    """Node rank -> the store's sequence number of its first reported failure (see first_failure)."""
+    sequence: dict[int, int] = {}
+    for error in errors:
+        rank, seq = error.get("rank"), error.get("failure_seq")
+        if isinstance(rank, int) and isinstance(seq, int):
+            node = next((i for i in range(len(slots)) if sum(slots[: i + 1]) > rank), None)
+            if node is not None:
+                sequence[node] = min(seq, sequence.get(node, seq))
+    return sequence
 
 
 def node_status(host: str, rank: int, state: NodeState) -> NodeStatus:

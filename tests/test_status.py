@@ -10,7 +10,14 @@ import time
 import pytest
 
 from orchestrator.nodeops import parse_inspect
-from orchestrator.status import NodeStatus, derive_state, error_on_node, first_failure, parse_progress
+from orchestrator.status import (
+    NodeStatus,
+    derive_state,
+    error_on_node,
+    failure_sequence,
+    first_failure,
+    parse_progress,
+)
 
 
 def node(rank, state, exit_code=None, finished=None, oom=False):
@@ -139,3 +146,46 @@ def test_process_supervisor_stop_kills_the_whole_group(tmp_path):
     while subprocess.run(["pgrep", "-g", str(pid)], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, "processes of the stopped rank are still alive"
         time.sleep(0.1)
+
+
+def test_first_failure_ignores_node_clocks_when_the_gang_watchdog_says_who_stopped_whom():
+    """Node 1 was killed; node 0's watchdog stopped it later, but node 0's clock runs 60 s behind, so
+    by end times node 0 "failed first". Its log says the gang stopped it: node 1 is the first failure."""
+    nodes = [node(0, "exited", 137, 1000.0), node(1, "exited", 137, 1045.0)]
+    assert first_failure(nodes, {}, gang_stopped={0})["node_rank"] == 1
+    assert first_failure(nodes, {})["node_rank"] == 0  # with nothing but clocks, clocks decide
+    # The watchdog's own exit code says the same when the rank ended itself (no launcher to kill).
+    assert first_failure([node(0, "exited", 75, 1.0), node(1, "exited", 1, 9.0)], {})["node_rank"] == 1
+
+
+def test_first_failure_follows_the_stores_sequence_over_end_times():
+    # Both ranks raised and reported to the store: node 1 first (sequence 1), though its clock says later.
+    nodes = [node(0, "exited", 1, 10.0), node(1, "exited", 1, 70.0)]
+    text = "\n".join(
+        json.dumps({"event": "error", "time": t, "rank": rank, "reason": f"boom {rank}", "failure_seq": seq})
+        for rank, seq, t in [(0, 2, 10.0), (1, 1, 70.0)]
+    )
+    _, _, errors = parse_progress(text)
+    sequence = failure_sequence(errors, [1, 1])
+    assert sequence == {0: 2, 1: 1}
+    assert first_failure(nodes, {}, sequence)["node_rank"] == 1
+
+
+def test_the_stores_failure_counter_orders_reports_from_every_node():
+    """Real TCPStore (as torchrun's agent serves it): each node's report gets the next number."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from orchestrator.train.gang import GANG_EXIT_CODE, Watchdog
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    clients = [
+        TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+        for _ in range(3)
+    ]
+    dogs = [Watchdog(store, "job-1", rank, 3) for rank, store in enumerate(clients)]
+    assert [dogs[i].mark_failed(f"boom {i}") for i in (2, 0, 1)] == [1, 2, 3]
+    import orchestrator.status as status_module
+
+    assert status_module.GANG_EXIT_CODE == GANG_EXIT_CODE  # the controller reads the trainer's code

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         # Tell the other nodes now, rather than after they miss this node's heartbeat.
         from .gang import report_failure
 
-        report_failure(reason)
+        failure_seq = report_failure(reason)
         if isinstance(exc, DzError):
             print(f"error: {exc.message}", file=sys.stderr)
             if exc.fix:
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         if log is not None:
             try:
-                log.write("error", reason=reason, rank=_rank())
+                extra = {} if failure_seq is None else {"failure_seq": failure_seq}
+                log.write("error", reason=reason, rank=_rank(), **extra)
             except OSError as write_error:
                 print(f"error: cannot write {log.path}: {write_error}", file=sys.stderr)
         sys.stdout.flush()

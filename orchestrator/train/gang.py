@@ -54,11 +54,16 @@ class Watchdog:
         with contextlib.suppress(Exception):  # a vanished store has nobody left to tell
             self.store.set(f"{self.prefix}/done/{self.node_rank}", "1")
 
-    def mark_failed(self, reason: str) -> None:
-        """Tell the other nodes to stop now instead of after STALE_S."""
+    def mark_failed(self, reason: str) -> int | None:
+        """Tell the other nodes to stop now instead of after STALE_S.
+
+        Returns this failure's place in the job (1 = the first node to report one), counted by the
+        store on the master: one counter every node increments, so the order holds whatever the
+        nodes' clocks say. None when the store cannot be reached."""
         with contextlib.suppress(Exception):  # the store may be the thing that failed
             self.store.set(f"{self.prefix}/failed", f"node {self.node_rank}: {reason}"[:500])
-            self.store.add(f"{self.prefix}/failures", 1)
+            return int(self.store.add(f"{self.prefix}/failures", 1))
+        return None
 
     def _run(self) -> None:
         seen = {n: (-1, time.monotonic()) for n in range(self.num_nodes) if n != self.node_rank}
@@ -148,6 +153,6 @@ def finish() -> None:
         _watchdog.finish()
 
 
-def report_failure(reason: str) -> None:
-    if _watchdog is not None:
-        _watchdog.mark_failed(reason)
+def report_failure(reason: str) -> int | None:
+    """Tell the other nodes; returns the store's sequence number of this failure (see mark_failed)."""
+    return _watchdog.mark_failed(reason) if _watchdog is not None else None

@@ -57,6 +57,10 @@ HIDDEN_DOTFILES = (".bashrc",)
 REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "ssh-keygen")
 
 
+# What OpenSSH's sshd gives sessions (Debian's build); SetEnv PATH replaces it.
+SSHD_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 class TestHostError(RuntimeError):
     """The test hosts could not be built (missing tool, sshd not listening, ...)."""
 
@@ -91,6 +95,8 @@ class TestHost:
     docker_socket: Path | None = None
     dockerd_pid: int | None = None
     host_key_line: str = ""  # "ssh-ed25519 AAAA..." as served by this host's sshd
+    hidden_tools: tuple[str, ...] = ()  # commands this host's SSH sessions cannot find (e.g. "ip")
+    sftp: bool = True  # False: an sshd without `Subsystem sftp`, as on some hardened servers
 
     @property
     def docker_host(self) -> str | None:
@@ -279,16 +285,42 @@ class TestCluster:
             # Many tests open several sessions per connection at once.
             "MaxSessions 64",
             "MaxStartups 100:30:200",
-            "Subsystem sftp internal-sftp",
             # VERBOSE: each connection's close and its reason, for a drop seen in CI.
             "LogLevel VERBOSE",
         ]
+        if host.sftp:
+            lines.append("Subsystem sftp internal-sftp")
+        if host.hidden_tools:
+            lines.append(f"SetEnv PATH={self._path_without(host)}")
         if host.docker_socket is not None:
             # Sessions on this host talk to its own dockerd, as on a real node.
             lines.append(f"SetEnv DOCKER_HOST=unix://{host.docker_socket}")
         config = host.dir / "sshd_config"
         config.write_text("\n".join(lines) + "\n")
         return config
+
+    def _path_without(self, host: TestHost) -> Path:
+        """A one-directory PATH holding links to sshd's default PATH, less the hidden tools: what a
+        node without those packages finds (the hosts share this machine's filesystem)."""
+        shadow = host.dir / "bin-shadow"
+        shutil.rmtree(shadow, ignore_errors=True)
+        shadow.mkdir()
+        for folder in SSHD_DEFAULT_PATH.split(":"):
+            for entry in sorted(Path(folder).glob("*")) if Path(folder).is_dir() else []:
+                link = shadow / entry.name
+                if entry.name not in host.hidden_tools and not link.exists() and os.access(entry, os.X_OK):
+                    link.symlink_to(entry)
+        return shadow
+
+    def reconfigure_sshd(self, host: TestHost, *, hidden_tools: tuple[str, ...] | None = None,
+                         sftp: bool | None = None) -> None:  # fmt: skip
+        """Restart one host's sshd with tools hidden from its sessions, or without SFTP."""
+        if hidden_tools is not None:
+            host.hidden_tools = tuple(hidden_tools)
+        if sftp is not None:
+            host.sftp = sftp
+        self.stop_sshd(host)
+        self.start_sshd(host)
 
     def start_sshd(self, host: TestHost, timeout: float = 10.0) -> None:
         """Start (or restart) the host's sshd and wait until it accepts TCP connections."""

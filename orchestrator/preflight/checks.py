@@ -17,6 +17,7 @@ from ..errors import RemoteError
 from ..plan import LaunchPlan, NodePlan, docker_ulimits
 from ..spec import JobSpec
 from ..ssh import Connection, Result
+from . import netprobe
 from . import parsers as p
 from .model import Check, fail, ok, warn
 
@@ -151,6 +152,13 @@ def check_identity(conn: Connection, ctx: Context, facts: Facts, master_target: 
     addrs = _run(conn, ["ip", "-4", "-o", "addr", "show"])
     if addrs.ok:
         facts.addresses = p.parse_addresses(addrs.stdout)
+    elif _missing(addrs):  # no iproute2 on the node: its Python asks the kernel (netprobe.py)
+        probe = _run(conn, netprobe.probe_argv(ctx.python))
+        if not probe.ok:
+            detail = f"cannot list the node's addresses: no `ip`, and {ctx.python} failed: {_tail(probe)}"
+            checks.append(fail("route", detail, netprobe.IP_TOOL_FIX))
+        with contextlib.suppress(p.ParseError):
+            facts.addresses = netprobe.parse_addresses(probe.stdout) if probe.ok else []
     meminfo = _run(conn, ["cat", "/proc/meminfo"])
     # Without it the planner cannot check host RAM, and says so itself.
     with contextlib.suppress(p.ParseError):
@@ -180,8 +188,12 @@ def check_identity(conn: Connection, ctx: Context, facts: Facts, master_target: 
     return checks
 
 
-def check_route(conn: Connection, master: str, is_master: bool, facts: Facts) -> tuple[Check, str | None]:
-    """The interface this node uses to reach the master address (NCCL/GLOO_SOCKET_IFNAME)."""
+def check_route(
+    conn: Connection, master: str, is_master: bool, facts: Facts, python: str = "python3"
+) -> tuple[Check, str | None]:
+    """The interface this node uses to reach the master address (NCCL/GLOO_SOCKET_IFNAME).
+
+    ``ip route get`` where the node has iproute2, else ``python`` asks the kernel (netprobe.py)."""
     target = master
     if not p.is_ip(master):
         target = facts.resolved_master[0] if facts.resolved_master else ""
@@ -195,12 +207,21 @@ def check_route(conn: Connection, master: str, is_master: bool, facts: Facts) ->
                 None,
             )
     result = _run(conn, ["ip", "route", "get", target])
-    if not result.ok:
-        return fail("route", f"no route to master {target}: {_tail(result)}", "check the node's routing table"), None
     try:
-        route = p.parse_route_get(result.stdout)
+        if result.ok:
+            route = p.parse_route_get(result.stdout)
+        elif _missing(result):
+            probe = _run(conn, netprobe.probe_argv(python, target))
+            if not probe.ok:
+                detail = f"cannot find the route to master {target}: no `ip`, and {python} failed: {_tail(probe)}"
+                return fail("route", detail, netprobe.IP_TOOL_FIX), None
+            route = netprobe.parse_route(probe.stdout, target)
+        else:
+            return fail(
+                "route", f"no route to master {target}: {_tail(result)}", "check the node's routing table"
+            ), None
     except p.ParseError as exc:
-        return fail("route", str(exc), "check `ip route get` on the node"), None
+        return fail("route", str(exc), "check the node's routing table (`ip route get` or /proc/net/route)"), None
     if is_master:
         own = [ifname for ifname, addr in facts.addresses if addr == target]
         if route.kind == "local" and own:

@@ -137,7 +137,9 @@ def run_preflight(
     else:
 
         def route(conn: Connection) -> Check:
-            check, iface = c.check_route(conn, master, conn.host == hosts[0], facts[conn.host])
+            check, iface = c.check_route(
+                conn, master, conn.host == hosts[0], facts[conn.host], contexts[conn.host].python
+            )
             if iface:
                 interfaces[conn.host] = iface
             return check

@@ -352,6 +352,7 @@ class SSHConnection:
         self._dial = dial  # how to connect again (None: never)
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_lock = threading.Lock()
+        self._no_sftp = False  # the server refused the SFTP subsystem: upload through exec channels
         self._redial_lock = threading.Lock()
         self.redials = 0  # how often the connection had to be dialled again
 
@@ -484,18 +485,50 @@ class SSHConnection:
                 out_open = err_open = False
         return _text(out), _text(err)
 
-    def _sftp_client(self) -> paramiko.SFTPClient:
+    def _sftp_client(self) -> paramiko.SFTPClient | None:
+        """The connection's SFTP session, or None when the server has no SFTP subsystem.
+
+        Some hardened sshd configs leave out `Subsystem sftp`: the server then refuses the
+        subsystem request and closes the channel, while the connection itself stays up."""
         transport = self._transport()
         if transport is None or not transport.is_active():
             self._redial(transport)  # nothing was sent yet: as for a command's channel
         with self._sftp_lock:
-            if self._sftp is None:
-                self._sftp = self._client.open_sftp()
+            if self._sftp is None and not self._no_sftp:
+                try:
+                    self._sftp = self._client.open_sftp()
+                except paramiko.SSHException as exc:
+                    transport = self._client.get_transport()
+                    if transport is None or not transport.is_active():
+                        raise RemoteError(f"{self.host}: the connection closed while opening SFTP: {exc}") from None
+                    log.info("%s: no SFTP subsystem (%s): uploading through exec channels", self.host, exc)
+                    self._no_sftp = True
             return self._sftp
+
+    def _exec_put(self, source, remote_path: str, mode: int) -> None:
+        """Upload through a command's stdin, for servers without SFTP: the same guarantees as over
+        SFTP (the file has ``mode`` before any byte is written, it appears whole by rename)."""
+        target = PurePosixPath(remote_path)
+        temp = str(target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part"))
+        script = 'umask 077 && : > "$1" && chmod "$2" "$1" && cat > "$1" && mv -f "$1" "$3" || { rm -f "$1"; exit 1; }'
+        argv = ["sh", "-c", script, "sh", temp, format(mode, "o"), str(target)]
+        if isinstance(source, bytes | bytearray):
+            result = self.run(argv, stdin=bytes(source), timeout=None)
+        else:
+            with open(source, "rb") as local:
+                result = self.run(argv, stdin=local, timeout=None)
+        if not result.ok:
+            raise RemoteError(
+                f"{self.host}: upload to {remote_path} failed (no SFTP; through sh): {_first_line(result)}",
+                fix=f"check that {target.parent} exists on {self.host} and is writable by {self.config.user}",
+            )
 
     def put(self, source, remote_path: str, mode: int = 0o644) -> None:
         """Upload bytes or a local file; the file has ``mode`` before any byte is written."""
         sftp = self._sftp_client()
+        if sftp is None:
+            self._exec_put(source, remote_path, mode)
+            return
         target = PurePosixPath(remote_path)
         temp = str(target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.part"))
         try:
@@ -518,8 +551,13 @@ class SSHConnection:
             ) from None
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
-        """``mkdir -p`` over SFTP."""
+        """``mkdir -p`` over SFTP (or ``mkdir -p`` itself where the server has no SFTP)."""
         sftp = self._sftp_client()
+        if sftp is None:
+            result = self.run(["mkdir", "-p", "-m", format(mode, "o"), path])
+            if not result.ok:
+                raise RemoteError(f"{self.host}: mkdir {path} failed: {_first_line(result)}")
+            return
         current = PurePosixPath("/") if path.startswith("/") else PurePosixPath(".")
         for part in PurePosixPath(path).parts:
             current = current / part if part != "/" else current
@@ -543,6 +581,11 @@ class SSHConnection:
         self._client.close()
         for jump in reversed(self._jumps):
             jump.close()
+
+
+def _first_line(result: Result) -> str:
+    text = (result.stderr.strip() or result.stdout.strip()).splitlines()
+    return text[-1][:300] if text else result.how_it_ended
 
 
 def _end_input(chan: paramiko.Channel) -> None:

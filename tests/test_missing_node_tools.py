@@ -1,4 +1,4 @@
-"""Preflight on test hosts that lack what some servers lack: the `ip` tool (iproute2), an SFTP subsystem.
+"""Preflight and uploads on test hosts that lack what some servers lack: the `ip` tool (iproute2), an SFTP subsystem.
 
 The hosts are real (own sshd per network namespace); a host's sessions lose a tool through its sshd's
 `SetEnv PATH` (tests/testhosts.py `hidden_tools`), and SFTP by leaving out `Subsystem sftp`.
@@ -6,11 +6,16 @@ The hosts are real (own sshd per network namespace); a host's sessions lose a to
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
+from orchestrator.errors import RemoteError
 from orchestrator.hostfile import load_nodes
 from orchestrator.preflight import render_report, run_preflight
 from orchestrator.spec import load_job
@@ -50,3 +55,35 @@ def test_a_node_without_ip_or_python_names_the_tools_and_their_packages(cluster,
     assert "no `ip`" in route.detail
     assert "iproute2" in route.fix and "apt-get install iproute2" in route.fix and "dnf install iproute" in route.fix
     assert report.host(hosts.hosts[0].name).check("route").status == "ok"
+
+
+def test_uploads_reach_a_node_whose_sshd_has_no_sftp_subsystem(cluster):
+    """Launch ships the job directory with mkdir + put: on a server without `Subsystem sftp` they go
+    through exec channels, with the same guarantees (mode set before any byte, whole file by rename)."""
+    hosts = cluster(1)
+    host = hosts.hosts[0]
+    hosts.reconfigure_sshd(host, sftp=False)
+    no_sftp = subprocess.run(["sftp", "-F", str(hosts.ssh_config), "-b", "/dev/null", host.name], capture_output=True)
+    assert no_sftp.returncode != 0 and b"subsystem request failed" in no_sftp.stderr  # really no SFTP
+    base = f"/tmp/dzctl-nosftp-{uuid.uuid4().hex}"
+    local = hosts.workdir / "payload.bin"
+    local.write_bytes(os.urandom(3_000_000))
+    try:
+        with HostPool([host.name], ssh_config=hosts.ssh_config) as pool:
+            conn = pool.connection(host.name)
+            conn.mkdir(f"{base}/jobs/j1")
+            conn.mkdir(f"{base}/jobs/j1")  # idempotent, like mkdir -p
+            conn.put(b"HF_TOKEN=abc\n", f"{base}/jobs/j1/env", mode=0o600)
+            conn.put(local, f"{base}/jobs/j1/payload.bin")
+            stat = conn.run(["stat", "-c", "%a %s", f"{base}/jobs/j1/env", f"{base}/jobs/j1/payload.bin"], check=True)
+            listing = conn.run(["ls", "-A", f"{base}/jobs/j1"], check=True).stdout.split()
+            with pytest.raises(RemoteError, match=r"upload to .* failed"):
+                conn.put(b"x", f"{base}/missing-dir/file")
+        assert stat.stdout.split("\n")[:2] == ["600 13", "644 3000000"]
+        assert (
+            hashlib.sha256(Path(f"{base}/jobs/j1/payload.bin").read_bytes()).digest()
+            == hashlib.sha256(local.read_bytes()).digest()
+        )
+        assert sorted(listing) == ["env", "payload.bin"]  # no temp files left
+    finally:
+        subprocess.run(["rm", "-rf", base], check=False)

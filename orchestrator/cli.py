@@ -7,6 +7,7 @@ Users see a message and a fix, never a traceback, unless ``--debug``.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import sys
 
@@ -31,24 +32,64 @@ class DzGroup(click.Group):
         return self.commands.get(name)
 
     def invoke(self, ctx: click.Context):
+        # Before click consumes them: a usage error comes before --json's own callback could run.
+        raw = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        wants_json = "--json" in (raw[: raw.index("--")] if "--" in raw else raw)
+        stdout = _WatchedStream(sys.stdout)
+        sys.stdout = stdout
         try:
             return super().invoke(ctx)
         except DzError as exc:
             if _debug_requested():
                 raise
             _report(exc)
+            _json_error(wants_json, stdout, exc.message, exc.fix, exc.exit_code)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("dzctl: interrupted", err=True)
+            _json_error(wants_json, stdout, "interrupted", None, 130)
             sys.exit(130)
-        except (click.exceptions.Exit, click.ClickException, SystemExit):
+        except click.ClickException as exc:
+            _json_error(wants_json, stdout, exc.format_message(), "see `dzctl COMMAND --help`", exc.exit_code)
+            raise
+        except (click.exceptions.Exit, SystemExit):
             raise
         except Exception as exc:  # a bug in dzctl: still no traceback for users
             if _debug_requested():
                 raise
-            click.echo(f"error: internal error: {type(exc).__name__}: {exc}", err=True)
-            click.echo("fix: run again with --debug for the traceback, and report it", err=True)
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            fix = "run again with --debug for the traceback, and report it"
+            click.echo(f"error: {message}", err=True)
+            click.echo(f"fix: {fix}", err=True)
+            _json_error(wants_json, stdout, message, fix, 1)
             sys.exit(1)
+        finally:
+            if sys.stdout is stdout:
+                sys.stdout = stdout.stream
+
+
+class _WatchedStream:
+    """sys.stdout, noting whether the command printed anything (its JSON result) before it failed."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.written = False
+
+    def write(self, text: str) -> int:
+        self.written = self.written or bool(text.strip())
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _json_error(wants_json: bool, stdout: _WatchedStream, message: str, fix: str | None, exit_code: int) -> None:
+    """With --json, a failure is one JSON object on stdout too, so a script always reads one object:
+    ``{"error", "fix", "exit_code"}``; unless the command already printed its own (e.g. preflight's
+    report with ok: false), which stays the one object."""
+    if wants_json and not stdout.written:
+        stdout.stream.write(json.dumps({"error": message, "fix": fix, "exit_code": exit_code}) + "\n")
+        stdout.stream.flush()
 
 
 def _debug_requested() -> bool:

@@ -13,6 +13,7 @@ file runs in well under a minute on two cores.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import string
@@ -442,12 +443,17 @@ def _cli():
     return main
 
 
-def _assert_clean_failure(result, *names: str) -> None:
+def _assert_clean_failure(result, args: list[str], *names: str) -> None:
     output = result.output  # click >= 8.2: stdout and stderr interleaved
     assert result.exit_code == 2, f"exit {result.exit_code}, expected 2; output: {output!r}; exc: {result.exception!r}"
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in output
-    assert result.stdout.strip() == "", f"a failing command printed on stdout: {result.stdout!r}"
+    if "--json" in args:  # one object for scripts: {"error", "fix", "exit_code"}
+        error = json.loads(result.stdout)
+        assert set(error) == {"error", "fix", "exit_code"} and error["exit_code"] == 2, result.stdout
+        assert any(name in error["error"] for name in names), f"error names none of {names}: {error!r}"
+    else:
+        assert result.stdout.strip() == "", f"a failing command printed on stdout: {result.stdout!r}"
     assert any(name in result.stderr for name in names), f"error names none of {names}: {result.stderr!r}"
 
 
@@ -469,8 +475,9 @@ def test_cli_rejects_bad_hostfile_with_exit_2(tmp_path_factory, lines, as_json):
         return  # a valid hostfile: covered by the plan tests, not this property
     args = ["launch", str(REPO / "jobs" / "tiny-cpu.yaml"), "--hosts", str(hosts), "--dry-run"]
     with no_hang(30):
-        result = CliRunner().invoke(main, args + (["--json"] if as_json else []))
-    _assert_clean_failure(result, str(hosts))
+        args += ["--json"] if as_json else []
+        result = CliRunner().invoke(main, args)
+    _assert_clean_failure(result, args, str(hosts))
 
 
 @CLI_PROPS
@@ -490,7 +497,7 @@ def test_cli_rejects_bad_job_with_exit_2(tmp_path_factory, data):
     args = ["launch", str(job), "--hosts", str(REPO / "hostfiles" / "localhost.txt"), "--dry-run", "--json"]
     with no_hang(30):
         result = CliRunner().invoke(main, args)
-    _assert_clean_failure(result, str(job))
+    _assert_clean_failure(result, args, str(job))
 
 
 @CLI_PROPS
@@ -511,7 +518,7 @@ def test_cli_rejects_bad_filter_with_exit_2(tmp_path_factory, include, use_exclu
     args = ["launch", str(REPO / "jobs" / "tiny-cpu.yaml"), "--hosts", str(hosts), flag, include, "--dry-run"]
     with no_hang(30):
         result = CliRunner().invoke(main, args)
-    _assert_clean_failure(result, flag, str(hosts))
+    _assert_clean_failure(result, args, flag, str(hosts))
 
 
 def test_hostile_characters_are_really_generated():

@@ -230,9 +230,10 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     BadHostKeyException, which we always turn into a refusal.)
     """
 
-    def __init__(self, host: HostConfig, trust_new: bool) -> None:
+    def __init__(self, host: HostConfig, trust_new: bool, why: str = "--trust-new-hosts") -> None:
         self.host = host
         self.trust_new = trust_new
+        self.why = why  # what allowed it: the flag, or the user's own SSH config (accept-new)
 
     def missing_host_key(self, client, hostname, key) -> None:
         fingerprint = key.fingerprint  # "SHA256:..." like ssh-keygen -l
@@ -254,8 +255,8 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             with path.open("a") as handle:
                 handle.write(line)
         # Accepted keys are logged: trusting a key is a decision worth a trace.
-        log.warning("trusted new host key for %s (%s): %s %s, recorded in %s", self.host.alias, hostname,
-                    key.get_name(), fingerprint, target)  # fmt: skip
+        log.warning("trusted new host key for %s (%s): %s %s, recorded in %s (because of %s)", self.host.alias,
+                    hostname, key.get_name(), fingerprint, target, self.why)  # fmt: skip
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
@@ -856,7 +857,14 @@ class HostPool:
                     client.load_system_host_keys(path)
                 except (OSError, paramiko.SSHException) as exc:
                     raise InputError(f"{path}: cannot read known_hosts: {exc}") from None
-        client.set_missing_host_key_policy(_HostKeyPolicy(config, self.trust_new_hosts or config.accept_new))
+        # OpenSSH's own rule for a user who chose it: `StrictHostKeyChecking accept-new` in the SSH config
+        # records unknown keys as --trust-new-hosts does (`no`/`off` are not honoured: still refused).
+        why = (
+            "--trust-new-hosts"
+            if self.trust_new_hosts
+            else f"StrictHostKeyChecking accept-new in {config.alias}'s SSH config"
+        )
+        client.set_missing_host_key_policy(_HostKeyPolicy(config, self.trust_new_hosts or config.accept_new, why))
         keys = [p for p in config.identity_files if os.path.exists(p)]
         started = time.monotonic()
         where = f"{config.user}@{config.hostname}:{config.port}"

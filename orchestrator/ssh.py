@@ -506,6 +506,13 @@ class SSHConnection:
                     self._no_sftp = True
             return self._sftp
 
+    @property
+    def upload_transport(self) -> str:
+        """How files reach this host: what preflight's upload check reports."""
+        if self._sftp_client() is None:
+            return "through exec channels: this sshd has no SFTP subsystem"
+        return "over SFTP"
+
     def _exec_put(self, source, remote_path: str, mode: int) -> None:
         """Upload through a command's stdin, for servers without SFTP: the same guarantees as over
         SFTP (the file has ``mode`` before any byte is written, it appears whole by rename)."""

@@ -87,3 +87,27 @@ def test_uploads_reach_a_node_whose_sshd_has_no_sftp_subsystem(cluster):
         assert sorted(listing) == ["env", "payload.bin"]  # no temp files left
     finally:
         subprocess.run(["rm", "-rf", base], check=False)
+
+
+def test_preflight_checks_each_node_can_receive_files_the_way_launch_sends_them(cluster, tmp_path):
+    """Node 1's sshd has no SFTP: preflight's upload check passes there through exec channels and says so.
+    A remote dir that cannot be made (its parent is a file) fails the check on every node, naming it."""
+    hosts = cluster(2)
+    hosts.reconfigure_sshd(hosts.hosts[1], sftp=False)
+    report = _preflight(hosts, tmp_path, sys.executable, 29563)
+    assert report.ok, render_report(report)
+    first, second = (report.host(h.name).check("upload") for h in hosts.hosts)
+    assert first.status == second.status == "ok"
+    assert "over SFTP" in first.detail and "no SFTP subsystem" in second.detail
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    nodes = load_nodes(hosts.write_hostfile(tmp_path / "hostfile", slots=1))
+    job = load_job(CPU_JOB, [f"launch.python={sys.executable}", "launch.master_port=29564",
+                             f"launch.remote_dir={blocker}/{{host}}"], "process")  # fmt: skip
+    with HostPool([n.host for n in nodes], ssh_config=hosts.ssh_config) as pool:
+        blocked = run_preflight(job, nodes, pool)
+    for host in hosts.hosts:
+        upload = blocked.host(host.name).check("upload")
+        assert upload.status == "fail" and f"{blocker}/{host.name}" in upload.detail, render_report(blocked)
+        assert "launch.remote_dir" in upload.fix

@@ -320,6 +320,15 @@ class TestCluster:
         if sftp is not None:
             host.sftp = sftp
         self.stop_sshd(host)
+        # The old listener may outlive the signal for a moment: a new sshd would then fail to bind,
+        # and the port check would be answered by the old one.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host.address, host.port), timeout=0.5).close()
+            except OSError:
+                break
+            time.sleep(0.05)
         self.start_sshd(host)
 
     def start_sshd(self, host: TestHost, timeout: float = 10.0) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import uuid
 from dataclasses import dataclass, field
 
 from ..errors import RemoteError
@@ -280,6 +281,25 @@ def check_disk(conn: Connection, ctx: Context) -> Check:
             f"free space on {worst.mount}, lower train.save_total_limit, or point train.output_dir elsewhere",
         )
     return ok("disk", detail)
+
+
+def check_upload(conn: Connection, ctx: Context) -> Check:
+    """Write a file into the job's remote dir the way launch ships the job directory (mkdir + put with
+    a mode, over SFTP or, where the server has none, exec channels), read its mode back, remove it.
+    A node that cannot receive files fails here, before minutes of image distribution."""
+    remote_dir = ctx.node.job_dir.rsplit("/jobs/", 1)[0]
+    probe = f"{remote_dir}/.dzctl-upload-probe-{uuid.uuid4().hex[:8]}"
+    fix = f"make {remote_dir} writable on the node for the SSH user, or set launch.remote_dir to a folder that is"
+    try:
+        conn.mkdir(remote_dir)
+        conn.put(b"dzctl upload probe\n", probe, mode=0o600)
+    except RemoteError as exc:
+        return fail("upload", f"cannot write into {remote_dir}: {exc.message}", fix)
+    seen = _run(conn, ["sh", "-c", 'stat -c %a "$1"; rm -f "$1"', "sh", probe])
+    how = getattr(conn, "upload_transport", "local")
+    if not seen.ok or seen.stdout.split()[:1] != ["600"]:
+        return fail("upload", f"a file written to {remote_dir} ({how}) reads back as {_tail(seen)!r}", fix)
+    return ok("upload", f"{remote_dir} takes files ({how}, mode set before content)")
 
 
 def check_infiniband(conn: Connection, ctx: Context, facts: Facts | None = None) -> Check:

@@ -34,6 +34,7 @@ CHECK_ORDER = (
     "route",
     "master-port",
     "disk",
+    "upload",
     "infiniband",
     "nvidia-smi",
     "docker",
@@ -193,6 +194,7 @@ def _node_checks(conn: Connection, ctx: c.Context, facts: c.Facts, master_target
     groups = [
         partial(c.safe, "hostname", c.check_identity, conn, ctx, facts, master_target),
         partial(c.safe, "disk", c.check_disk, conn, ctx),
+        partial(c.safe, "upload", c.check_upload, conn, ctx),
         partial(c.safe, "infiniband", c.check_infiniband, conn, ctx, facts),
     ]
     if ctx.gpu:
@@ -201,7 +203,7 @@ def _node_checks(conn: Connection, ctx: c.Context, facts: c.Facts, master_target
         groups.append(partial(_docker_checks, conn, ctx, facts))
     else:
         groups.append(partial(c.safe, "python-env", c.check_python_env, conn, ctx, facts))
-    # At most 5 groups: well under sshd's default of 10 sessions per connection.
+    # At most 6 groups: well under sshd's default of 10 sessions per connection.
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix=f"dzctl-{conn.host}") as executor:
         checks = [check for found in executor.map(lambda group: group(), groups) for check in found]
     image = next((chk for chk in checks if chk.name == "image"), None)

@@ -15,6 +15,7 @@ from .status import (
     derive_state,
     error_on_node,
     failure_sequence,
+    failure_sequence_in_log,
     first_failure,
     node_failed,
     node_status,
@@ -71,6 +72,10 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
     logs = pool.map(lambda conn: _log_lines(record, conn, _rank_of(record, conn.host)), list(failed.values()))
     lines = {rank: logs.get(host) if isinstance(logs.get(host), list) else [] for rank, host in failed.items()}
     gang_stopped = {rank for rank, found in lines.items() if any(GANG_LINE in line for line in found)}
+    for rank, found in lines.items():  # each node's own log: seen even where outputs are node-local
+        seq = failure_sequence_in_log(found)
+        if seq is not None:
+            sequence[rank] = min(seq, sequence.get(rank, seq))
     first = first_failure(nodes, {}, sequence, gang_stopped)
     if first is not None:
         rank = first["node_rank"]

@@ -83,10 +83,14 @@ def first_failure(
     """The rank that failed first, decided without comparing node clocks (which may differ by minutes):
 
     1. a node the gang watchdog stopped (``gang_stopped``: its log says so; or exit 75) was stopped
-       because another node failed: it comes after every node that failed on its own;
-    2. then the rendezvous store's failure counter (``sequence``: node rank -> 1 for the first node
-       to report a failure, from the ranks' error events): one counter on the master for all nodes;
-    3. only then end times, which come from each node's own clock (two nodes killed outright leave
+       because another node failed: it comes after every other failed node;
+    2. a node that failed without reporting to the rendezvous store (killed outright, OOM-killed,
+       crashed hard) comes before the nodes that reported: a rank that raises reports, and when a
+       peer vanishes the others' collectives raise and report after the fact (seen on the test
+       hosts: node 0's gloo error reported while node 1 had been SIGKILLed);
+    3. nodes that reported, in the order of the store's failure counter (``sequence``: node rank ->
+       1 for the first to report), one counter on the master for all nodes;
+    4. only then end times, which come from each node's own clock (two nodes killed outright leave
        nothing else), and the node rank.
     """
     failed = [n for n in nodes if node_failed(n)]
@@ -97,7 +101,7 @@ def first_failure(
     def order(n: NodeStatus) -> tuple:
         seq = sequence.get(n.node_rank)
         stopped_by_gang = n.node_rank in gang_stopped or n.exit_code == GANG_EXIT_CODE
-        return (stopped_by_gang, seq is None, seq or 0, n.finished_at is None, n.finished_at or 0.0,
+        return (stopped_by_gang, seq is not None, seq or 0, n.finished_at is None, n.finished_at or 0.0,
                 n.node_rank)  # fmt: skip
 
     first = min(failed, key=order)
@@ -184,6 +188,19 @@ def error_on_node(errors: list[dict], slots: list[int], node_rank: int) -> str |
     for error in errors:
         if isinstance(error.get("rank"), int) and error["rank"] in mine:
             return error["reason"]
+    return None
+
+
+FAILURE_SEQ_LINE = "dzctl failure-seq: "  # the trainer's own line, after its traceback (train/entry.py)
+
+
+def failure_sequence_in_log(lines: list[str]) -> int | None:
+    """The store's sequence number a rank printed in its log when it reported its failure."""
+    for line in reversed(lines):
+        _, found, rest = line.partition(FAILURE_SEQ_LINE)
+        words = rest.split()
+        if found and words and words[0].isdigit():
+            return int(words[0])
     return None
 
 

@@ -15,6 +15,7 @@ from orchestrator.status import (
     derive_state,
     error_on_node,
     failure_sequence,
+    failure_sequence_in_log,
     first_failure,
     parse_progress,
 )
@@ -189,3 +190,13 @@ def test_the_stores_failure_counter_orders_reports_from_every_node():
     import orchestrator.status as status_module
 
     assert status_module.GANG_EXIT_CODE == GANG_EXIT_CODE  # the controller reads the trainer's code
+
+
+def test_a_node_killed_outright_comes_before_the_nodes_whose_collectives_then_reported():
+    """As on the test hosts: node 1 SIGKILLed (no report); node 0's gloo collective raised and reported
+    first to the store (sequence 1). Node 1 is the first failure, whatever the clocks say."""
+    nodes = [node(0, "exited", 1, 100.0), node(1, "exited", 137, 160.0)]
+    assert first_failure(nodes, {}, {0: 1})["node_rank"] == 1
+    lines = ["Traceback (most recent call last):", "RuntimeError: Connection closed by peer",
+             "dzctl failure-seq: 3 (node's place among the job's failure reports)"]  # fmt: skip
+    assert failure_sequence_in_log(lines) == 3 and failure_sequence_in_log(lines[:2]) is None

@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 log.write("error", reason=reason, rank=_rank(), **extra)
             except OSError as write_error:
                 print(f"error: cannot write {log.path}: {write_error}", file=sys.stderr)
+        if failure_seq is not None:
+            # Last, so the log's tail keeps it: status orders failures by it, not by node clocks.
+            print(f"dzctl failure-seq: {failure_seq} (node's place among the job's failure reports)", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         from .gang import end_node

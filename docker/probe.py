@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 
 import deepspeed
 import torch
@@ -75,7 +76,8 @@ def nvcc_version() -> str:
 
 def torch_source() -> str:
     recorded = os.path.join(sys.prefix, "dzctl-torch-source")
-    return open(recorded).read().strip() if os.path.exists(recorded) else "unknown"
+    # pip's report gives file URLs quoted (a wheel's "+cpu" reads "%2Bcpu").
+    return urllib.parse.unquote(open(recorded).read().strip()) if os.path.exists(recorded) else "unknown"
 
 
 prebuilt, compatible = deepspeed_ops()

@@ -391,3 +391,62 @@ def test_cuda_build_refuses_a_cpu_torch(local_docker_url, base_image):
     assert "the wheelhouse has no cuda torch" in done.stderr
     assert f"pip found no cuda build of torch {TORCH_VERSION}" in done.stderr
     assert not image_exists(tag, local_docker_url)
+
+
+# -- a code change touches only the last layers ----------------------------------------------------
+
+
+def test_dockerfile_keeps_its_order_os_torch_deps_project():
+    steps = [line for line in (ROOT / DOCKERFILE).read_text().splitlines() if re.match(r"^(RUN|COPY) ", line)]
+
+    def first(fragment: str) -> int:
+        return next(i for i, step in enumerate(steps) if fragment in step)
+
+    order = ["apt-install.sh ${SYSTEM_PACKAGES}", "install-python.sh torch", "install-python.sh deps"]
+    order += ["install-python.sh project-deps", "COPY orchestrator /opt/dzctl-src/orchestrator"]
+    assert [first(fragment) for fragment in order] == sorted(first(fragment) for fragment in order)
+    # The whole package is copied only after every dependency step (a code change reaches no
+    # earlier layer); its __init__ (the version, read by the metadata) alone is copied before.
+    early = [step for step in steps[: first("COPY orchestrator /opt")] if "orchestrator" in step]
+    assert early == ["COPY orchestrator/__init__.py /opt/dzctl-meta/orchestrator/__init__.py"]
+
+
+def layer_ids(client, image_id: str) -> list[str]:
+    return client.api.inspect_image(image_id)["RootFS"]["Layers"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_docker_url, base_image, tmp_path):
+    import shutil
+
+    import docker
+
+    from orchestrator.image import build_image
+
+    # A copy of the build context with one line changed in a module of orchestrator/.
+    copy = tmp_path / "src"
+    for rel in context_files(ROOT, read_dockerignore(ROOT)):
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, copy / rel)
+    changed = copy / "orchestrator" / "cli.py"
+    changed.write_text(changed.read_text() + f"\n# a one-line change ({tmp_path.name})\n")
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=1800)
+    request = BuildRequest(flavour="cpu", base_image=base_image, tag=f"{CPU_TAG}-changed")
+    rebuilt = build_image(request, client, root=copy)
+    before, after = layer_ids(client, cpu_image["image_id"]), layer_ids(client, rebuilt.id)
+    assert rebuilt.id != cpu_image["image_id"] and len(before) == len(after)
+    same = next(i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old != new)
+    # What changed starts at the layer holding the package's code: its parent image (the build
+    # keeps intermediate images) is the one whose layers are exactly the unchanged prefix.
+    parent = client.api.inspect_image(rebuilt.id)
+    while len(parent["RootFS"]["Layers"]) > same:
+        parent = client.api.inspect_image(parent["Parent"])
+    assert parent["RootFS"]["Layers"] == before[:same]
+    history = [entry["CreatedBy"] for entry in client.api.history(rebuilt.id)]
+    first_new = next(h for h in reversed(history) if "/opt/dzctl-src/orchestrator" in h)
+    assert "COPY dir:" in first_new
+    # Every layer under the code is the old one; what is left to ship is a sliver of the image.
+    changed_bytes = client.api.inspect_image(rebuilt.id)["Size"] - parent["Size"]
+    assert changed_bytes < 0.02 * client.api.inspect_image(rebuilt.id)["Size"], changed_bytes
+    assert len(after) - same <= 5

@@ -450,3 +450,16 @@ def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_doc
     changed_bytes = client.api.inspect_image(rebuilt.id)["Size"] - parent["Size"]
     assert changed_bytes < 0.02 * client.api.inspect_image(rebuilt.id)["Size"], changed_bytes
     assert len(after) - same <= 5
+
+
+def test_preflight_reads_the_cuda_images_gpu_labels():
+    from orchestrator.preflight.checks import gpu_stack_check
+
+    labels = {"dzctl.cuda": "13.0", "dzctl.torch": "2.13.0+cu130", "dzctl.nccl": "2.29.7", "dzctl.cudnn": "9.15.1"}
+    prebuilt = {**labels, "dzctl.deepspeed-ops-prebuilt": "cpu_adam,fused_adam", "dzctl.nvcc": "13.0"}
+    assert gpu_stack_check(prebuilt).status == "ok"
+    jit_only = {**labels, "dzctl.deepspeed-ops-prebuilt": "none", "dzctl.nvcc": "none"}
+    assert gpu_stack_check(jit_only).status == "warn" and "no nvcc" in gpu_stack_check(jit_only).detail
+    assert gpu_stack_check({**labels, "dzctl.nccl": "none"}).status == "fail"
+    assert gpu_stack_check({"dzctl.cuda": "cpu", "dzctl.nccl": "none"}) is None  # cuda_driver_check's case
+    assert gpu_stack_check({"dzctl.cuda": "13.0"}) is None  # an image from before these labels

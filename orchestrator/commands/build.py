@@ -22,6 +22,7 @@ class BuildView:
         self.console = console
         self.live: Live | None = None
         self.last_step: tuple[int, str] | None = None
+        self.notes_shown = 0
 
     def __enter__(self) -> BuildView:
         if self.console.is_terminal:
@@ -34,6 +35,10 @@ class BuildView:
             self.live.__exit__(*exc)
 
     def update(self, progress: BuildProgress) -> None:
+        # The build scripts' own notes (where torch came from, ops left to JIT) are printed as they come.
+        for note in progress.notes[self.notes_shown :]:
+            self.console.print(note, highlight=False, markup=False)
+        self.notes_shown = len(progress.notes)
         step = (progress.step_index, progress.step)
         if self.live:
             lines = [Text(line, style="dim", overflow="ellipsis", no_wrap=True) for line in list(progress.tail)[-4:]]

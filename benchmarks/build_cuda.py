@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from localdocker import local_docker  # noqa: E402
+
+
+def redact_hosts(text: str) -> str:
+    """URLs keep their path but lose their host: the repository names no registry host."""
+    return re.sub(r"\b(https?)://[^/\s\"']+", r"\1://<host>", text)
+
+
+def redact_file(path: Path) -> None:
+    path.write_text(redact_hosts(path.read_text()))
 
 
 def main() -> None:
@@ -52,7 +62,8 @@ def main() -> None:
         wall_s = time.monotonic() - started
         if done.returncode != 0:
             raise SystemExit(f"dzctl build failed ({done.returncode}) after {wall_s:.0f} s: see {out / 'build.log'}")
-        (out / "build.json").write_text(done.stdout)
+        (out / "build.json").write_text(redact_hosts(done.stdout))
+        redact_file(out / "build.log")
         report = json.loads(done.stdout)
         inspect = ["docker", "-H", url, "image", "inspect", "--format", "{{json .Config.Labels}}|{{.Size}}|{{.Id}}"]
         labels_json, size, image_id = (
@@ -87,8 +98,8 @@ def main() -> None:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} cores, shared with other sessions",
         }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+    (out / "summary.json").write_text(redact_hosts(json.dumps(summary, indent=1)) + "\n")
+    print(redact_hosts(json.dumps(summary, indent=1)))
 
 
 if __name__ == "__main__":

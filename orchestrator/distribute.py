@@ -5,6 +5,13 @@ image's ID; nodes that do are skipped. For the others, ``docker save`` runs ONCE
 stream, compressed once if asked, is teed to every needing node's ``docker load`` at the same time.
 Afterwards each node's image ID is checked against ours.
 
+Layer-aware: the same round trip also lists the layers each needing node holds (``layers.py``).
+Nodes that hold the image's bottom layers (the OS, torch, the dependencies: everything under the
+project's code) are sent the save stream with those layers' tarballs left out; ``docker load``
+finds them by chain ID and ends with the same image ID. Nodes are grouped by how many layers they
+hold, one stream per group; a node that holds none gets today's full stream, and a node whose
+partial load fails is sent the full stream once more.
+
 A node that fails mid-transfer (connection lost, ``docker load`` error, a stalled reader) is
 dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
 is returned as data (``DistributeResult``); nothing is raised for a partial failure.
@@ -32,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .errors import InputError, RemoteError, RuntimeFailure
+from .layers import SkipHeldLayers, chain_ids, filter_tar, held_prefix
 
 CHUNK = 1 << 20
 # How long one node may refuse to take data while the others wait on it. `docker load` pauses
@@ -70,6 +78,8 @@ class HostOutcome:
     image_id: str | None = None
     bytes_sent: int = 0
     elapsed_s: float = 0.0
+    layers_held: int = 0  # bottom layers the node already had (not sent)
+    layers_total: int = 0
 
     @property
     def ok(self) -> bool:
@@ -83,6 +93,8 @@ class HostOutcome:
             "image_id": self.image_id,
             "bytes_sent": self.bytes_sent,
             "elapsed_s": round(self.elapsed_s, 2),
+            "layers_held": self.layers_held,
+            "layers_total": self.layers_total,
             "detail": self.detail,
         }
 
@@ -193,11 +205,13 @@ class _Pipe:
 
 
 class _Source:
-    """``docker save`` of the image through the SDK, compressed by a local codec process if any."""
+    """``docker save`` of the image through the SDK (less the layers ``skip`` drops), compressed by a
+    local codec process if any."""
 
-    def __init__(self, client, name: str, codec: Codec) -> None:
+    def __init__(self, client, name: str, codec: Codec, skip: SkipHeldLayers | None = None) -> None:
         self.raw_bytes = 0
-        self._stream = client.api.get_image(name, chunk_size=CHUNK)
+        self._saved = client.api.get_image(name, chunk_size=CHUNK)
+        self._stream = self._saved if skip is None else filter_tar(self._saved, skip.keep, skip.note_json)
         self._proc = None
         self._error: BaseException | None = None
         self._pump = None
@@ -239,7 +253,7 @@ class _Source:
             self._proc.kill()
             self._proc.wait()
         with contextlib.suppress(Exception):
-            self._stream.close()
+            self._saved.close()
 
 
 def local_image(client, image: str):
@@ -350,8 +364,35 @@ def distribute_image(
 
     chosen = choose_codec(codec, pool, needing)
     progress = Progress(expected_raw=int(found_image.attrs.get("Size") or 0))
-    sent, wire, raw = _stream_to(client, _save_name(image, found_image), chosen, pool, needing, progress,
-                                 on_progress, stall_timeout, outcomes)  # fmt: skip
+    layers = list((found_image.attrs.get("RootFS") or {}).get("Layers") or [])
+    held = held_layers(pool, needing, layers)
+    save_name = _save_name(image, found_image)
+    sent: dict[str, int] = {}
+    wire = raw = 0
+
+    def send(group: list[str], count: int) -> None:
+        nonlocal wire, raw
+        skip = SkipHeldLayers(chain_ids(layers), count) if count else None
+        group_sent, group_wire, group_raw = _stream_to(
+            client, save_name, chosen, pool, group, progress, on_progress, stall_timeout, outcomes, skip
+        )
+        sent.update(group_sent)
+        wire, raw = wire + group_wire, raw + group_raw
+        for host in group:
+            outcomes[host].layers_held, outcomes[host].layers_total = count, len(layers)
+
+    # Nodes that hold some bottom layers first (small streams), grouped by how many; then the rest,
+    # with any node whose partial load failed (today's full stream is the fallback).
+    full = [host for host in needing if not held[host]]
+    for count in sorted({held[host] for host in needing if held[host]}, reverse=True):
+        group = [host for host in needing if held[host] == count]
+        send(group, count)
+        for host in group:
+            if outcomes[host].status == "failed":
+                progress.state[host] = "retrying whole"
+                full.append(host)
+    if full:
+        send(full, 0)
     loaded = [h for h in needing if outcomes[h].status == "loaded"]
     for host, state in check_hosts(pool, loaded, image_id).items():
         outcome = outcomes[host]
@@ -382,7 +423,28 @@ def _tag_on(
             outcomes[host].detail = f"{how}; tagged {image}"
 
 
-def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_timeout, outcomes):
+def held_layers(pool, hosts: list[str], layers: list[str]) -> dict[str, int]:
+    """Per host, how many of ``layers`` (bottom first) it holds already; 0 where it cannot say."""
+    if not hosts or not layers:
+        return dict.fromkeys(hosts, 0)
+    # Every image's layer list in one round trip; -a: intermediate images of builds on the node too.
+    script = (
+        'docker image ls -aq --no-trunc | sort -u | xargs -r docker image inspect --format "{{json .RootFS.Layers}}"'
+    )
+    held: dict[str, int] = {}
+    for host, result in pool.run_all(["sh", "-c", script], timeout=INSPECT_TIMEOUT, hosts=hosts).items():
+        if isinstance(result, BaseException) or not result.ok:
+            held[host] = 0  # no listing: send everything, as before
+            continue
+        images = []
+        for line in result.stdout.splitlines():
+            with contextlib.suppress(ValueError):
+                images.append(json.loads(line) or [])
+        held[host] = held_prefix(layers, images)
+    return held
+
+
+def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_timeout, outcomes, skip=None):
     """Save once, tee to every host's load; fill ``outcomes`` for ``hosts``; return bytes per host, wire, raw."""
     pipes = {host: _Pipe(host) for host in hosts}
     connections = {}
@@ -401,7 +463,7 @@ def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_ti
             pipes[host].drop()
         return host, result, time.monotonic() - started
 
-    source = _Source(client, name, codec)
+    source = _Source(client, name, codec, skip)
     wire = 0
     failure: BaseException | None = None
     with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="dzctl-load") as executor:

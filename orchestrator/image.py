@@ -16,6 +16,7 @@ from the calls that talk to the daemon.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import json
 import os
@@ -29,28 +30,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .buildsources import PipSources, is_remote, local_torch_wheels, read_pip_config, torch_wheel_flavour
 from .errors import InputError, RuntimeFailure
 
 DOCKERFILE = "docker/Dockerfile"
 PROBE_ARGV = ("python", "/usr/local/lib/dzctl/probe.py")
 PROBE_MARK = "DZCTL_PROBE "
+NOTE_MARK = "dzctl: "
 LABEL_PREFIX = "dzctl."
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the classic builder colours RUN stderr
 VERSION_LABELS = ("cuda", "torch", "deepspeed", "nccl", "transformers", "version")
+# What the probe also reports (docker/probe.py): cuDNN, the kernels/adapters the trainer can use,
+# and DeepSpeed's ops (prebuilt into the image, or compatible: could be JIT-compiled there).
+EXTRA_LABELS = (
+    "cudnn",
+    "liger-kernel",
+    "peft",
+    "deepspeed-ops-prebuilt",
+    "deepspeed-ops-compatible",
+    "nvcc",
+    "torch-source",  # the file pip installed torch from (an index URL, or a wheel in the wheelhouse)
+)
+TORCH_VERSION = "2.13.0"
 
 # The build args of each flavour. The CUDA set equals the Dockerfile's ARG defaults (a test holds
 # them together), so a plain `docker build -f docker/Dockerfile .` makes the CUDA flavour too.
+# TORCH_INDEX_URL is PyTorch's own index, the one place each flavour's torch build is published;
+# it is used where it answers, and pip's configured sources otherwise (docker/install-python.sh).
 FLAVOURS: dict[str, dict[str, str]] = {
     "cuda": {
         "BASE_IMAGE": "nvidia/cuda:13.0.2-devel-ubuntu24.04",
+        "DZCTL_FLAVOUR": "cuda",
         "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu130",
         "DS_ACCELERATOR": "cuda",
         "TORCH_CUDA_ARCH_LIST": "8.0;9.0",
         "DS_BUILD_OPS_LIST": "CPU_ADAM FUSED_ADAM UTILS AIO",
-        "EXTRA_SYSTEM_PACKAGES": "libibverbs1 ibverbs-providers rdma-core libaio-dev",
+        "EXTRA_SYSTEM_PACKAGES": "libibverbs1 ibverbs-providers rdma-core",
+        "EXTRA_PYTHON_PACKAGES": "liger-kernel==0.8.5 peft==0.21.2",
     },
     "cpu": {
         "BASE_IMAGE": "debian:bookworm-slim",
+        "DZCTL_FLAVOUR": "cpu",
         "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
         "DS_ACCELERATOR": "cpu",
         # No GPU architectures and no prebuilt CUDA ops; the CPU accelerator's shm op is
@@ -58,6 +78,7 @@ FLAVOURS: dict[str, dict[str, str]] = {
         "TORCH_CUDA_ARCH_LIST": "",
         "DS_BUILD_OPS_LIST": "",
         "EXTRA_SYSTEM_PACKAGES": "",
+        "EXTRA_PYTHON_PACKAGES": "",
     },
 }
 
@@ -76,6 +97,9 @@ class BuildRequest:
     offline: bool = False
     target: str | None = None  # a Dockerfile stage; such a build is not probed or labelled
     extra_args: dict[str, str] = field(default_factory=dict)
+    torch_index_url: str | None = None  # None: the flavour's (PyTorch's index)
+    # pip's configuration on this machine (None: read it when building; tests pass their own)
+    pip_sources: PipSources | None = None
 
     @property
     def image_tag(self) -> str:
@@ -90,6 +114,7 @@ class BuiltImage:
     versions: dict[str, str]
     elapsed_s: float
     digest: str | None = None
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -99,6 +124,7 @@ class BuiltImage:
             "versions": self.versions,
             "labels": self.labels,
             "elapsed_s": round(self.elapsed_s, 1),
+            "notes": list(self.notes),
         }
 
 
@@ -110,12 +136,67 @@ def build_args(request: BuildRequest) -> dict[str, str]:
     """The ``--build-arg`` set for a request (pure)."""
     if request.flavour not in FLAVOURS:
         raise InputError(f"unknown flavour '{request.flavour}'", fix=f"use one of: {', '.join(FLAVOURS)}")
-    args = dict(FLAVOURS[request.flavour])
+    args = {**FLAVOURS[request.flavour], "TORCH_VERSION": TORCH_VERSION}
     if request.base_image:
         args["BASE_IMAGE"] = request.base_image
+    if request.torch_index_url is not None:
+        args["TORCH_INDEX_URL"] = request.torch_index_url
     args["PIP_OFFLINE"] = "1" if request.offline else "0"
+    args.update(pip_source_args(request.pip_sources or PipSources()))
     args.update(request.extra_args)
     return args
+
+
+def pip_source_args(sources: PipSources) -> dict[str, str]:
+    """pip's configured remote sources as build args (pure); local ones travel as wheels instead."""
+    remote_index = sources.index_url if sources.index_url and is_remote(sources.index_url) else ""
+    return {
+        "DZCTL_PIP_INDEX_URL": remote_index,
+        "DZCTL_PIP_EXTRA_INDEX_URL": " ".join(sources.remote(sources.extra_index_urls)),
+        "DZCTL_PIP_FIND_LINKS": " ".join(sources.remote(sources.find_links)),
+        "DZCTL_PIP_TRUSTED_HOST": " ".join(sources.trusted_hosts),
+    }
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    """What goes into the build context besides the repository, and why (for the build's output)."""
+
+    wheels: tuple[Path, ...] = ()  # the --wheelhouse files, then torch wheels from pip's local sources
+    ca_bundle: Path | None = None
+    notes: tuple[str, ...] = ()
+
+
+def plan_inputs(request: BuildRequest) -> BuildInputs:
+    """The wheelhouse and CA bundle for ``request`` from its options and pip's configuration."""
+    sources = request.pip_sources or PipSources()
+    wheels: list[Path] = []
+    notes: list[str] = []
+    if request.wheelhouse:
+        _check_input_file(request.wheelhouse, "--wheelhouse", want_dir=True)
+        wheels = sorted(entry for entry in request.wheelhouse.iterdir() if entry.is_file())
+    flavour_torch = [w for w in wheels if torch_wheel_flavour(w.name, TORCH_VERSION) == request.flavour]
+    if not flavour_torch:
+        # The build cannot see this machine's folders: bring the flavour's torch from pip's local
+        # sources (find-links folders, file:// indexes) into the wheelhouse.
+        found = local_torch_wheels(sources, TORCH_VERSION, request.flavour)
+        wheels += found
+        for wheel in found:
+            notes.append(f"torch: {wheel.name} from pip's configured {wheel.parent} (into the build's wheelhouse)")
+        if not found:
+            remote = sources.remote(sources.indexes + sources.find_links)
+            where = ", ".join(remote) if remote else "pip's default index"
+            notes.append(
+                f"torch: no {request.flavour} torch {TORCH_VERSION} in pip's local sources; the build tries "
+                f"PyTorch's index, then {where}"
+            )
+    ca_bundle = request.ca_bundle
+    if ca_bundle:
+        _check_input_file(ca_bundle, "--ca-bundle", want_dir=False)
+    elif sources.cert and Path(sources.cert).is_file():
+        ca_bundle = Path(sources.cert)
+        notes.append(f"pip trusts {ca_bundle} during the build (pip's configured cert)")
+    return BuildInputs(tuple(wheels), ca_bundle, tuple(notes))
 
 
 def labels_for(versions: dict[str, str], build_time: str) -> dict[str, str]:
@@ -123,7 +204,8 @@ def labels_for(versions: dict[str, str], build_time: str) -> dict[str, str]:
     missing = [key for key in VERSION_LABELS if not versions.get(key)]
     if missing:
         raise RuntimeFailure(f"the image probe did not report: {', '.join(missing)}")
-    labels = {f"{LABEL_PREFIX}{key}": str(versions[key]) for key in VERSION_LABELS}
+    labelled = [*VERSION_LABELS, *(key for key in EXTRA_LABELS if versions.get(key))]
+    labels = {f"{LABEL_PREFIX}{key}": str(versions[key]) for key in labelled}
     labels[f"{LABEL_PREFIX}build-time"] = build_time
     return labels
 
@@ -208,21 +290,16 @@ def _check_input_file(path: Path, option: str, want_dir: bool) -> None:
         raise InputError(f"{option} {path}: no such file", fix=f"give {option} a PEM certificate bundle")
 
 
-def write_context(root: Path, request: BuildRequest, out) -> None:
+def write_context(root: Path, request: BuildRequest, out, inputs: BuildInputs | None = None) -> None:
     """Write the build-context tarball for ``request`` into the binary file ``out``."""
-    if request.wheelhouse:
-        _check_input_file(request.wheelhouse, "--wheelhouse", want_dir=True)
-    if request.ca_bundle:
-        _check_input_file(request.ca_bundle, "--ca-bundle", want_dir=False)
+    inputs = inputs or plan_inputs(request)
     with tarfile.open(fileobj=out, mode="w") as tar:
         for rel in context_files(root, read_dockerignore(root)):
             tar.add(root / rel, arcname=rel, recursive=False)
-        if request.wheelhouse:
-            for entry in sorted(request.wheelhouse.iterdir()):
-                if entry.is_file():
-                    tar.add(entry, arcname=f"docker/context/wheelhouse/{entry.name}")
-        if request.ca_bundle:
-            tar.add(request.ca_bundle, arcname="docker/context/ca-bundle.crt")
+        for wheel in inputs.wheels:
+            tar.add(wheel, arcname=f"docker/context/wheelhouse/{wheel.name}")
+        if inputs.ca_bundle:
+            tar.add(inputs.ca_bundle, arcname="docker/context/ca-bundle.crt")
 
 
 def repo_root() -> Path:
@@ -253,6 +330,9 @@ class BuildProgress:
     started: float = field(default_factory=time.monotonic)
     step_started: float = field(default_factory=time.monotonic)
     tail: deque = field(default_factory=lambda: deque(maxlen=25))
+    # Lines the build's own scripts mark "dzctl: " (where torch came from, ops left to JIT, ...):
+    # shown to the user and kept in the report, not lost in the step's scroll.
+    notes: list[str] = field(default_factory=list)
 
     def feed(self, chunk: dict) -> None:
         if "aux" in chunk and isinstance(chunk["aux"], dict) and "ID" in chunk["aux"]:
@@ -280,6 +360,8 @@ class BuildProgress:
                 return
         if line.strip() == "---> Using cache":
             self.cached_steps += 1
+        if line.startswith(NOTE_MARK) and line not in self.notes:
+            self.notes.append(line)
         self.tail.append(line)
 
     @property
@@ -366,23 +448,43 @@ def docker_client(timeout: int = 3600):
 
 
 @contextlib.contextmanager
-def build_context(request: BuildRequest, root: Path | None = None) -> Iterator:
+def build_context(request: BuildRequest, root: Path | None = None, inputs: BuildInputs | None = None) -> Iterator:
     """A temporary context tarball (it may hold a multi-GB wheelhouse: on disk, not in memory)."""
     with tempfile.TemporaryFile(prefix="dzctl-context-") as context_file:
-        write_context(root or repo_root(), request, context_file)
+        write_context(root or repo_root(), request, context_file, inputs)
         yield context_file
 
 
+def with_machine_sources(request: BuildRequest) -> BuildRequest:
+    """``request`` with this machine's pip configuration, unless it carries its own."""
+    if request.pip_sources is not None:
+        return request
+    return dataclasses.replace(request, pip_sources=read_pip_config())
+
+
 def build_image(
-    request: BuildRequest, client=None, progress: BuildProgress | None = None, root: Path | None = None
+    request: BuildRequest,
+    client=None,
+    progress: BuildProgress | None = None,
+    root: Path | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> BuiltImage:
     """Build, probe and label the image; return its ID, labels and versions."""
     client = client or docker_client()
     progress = progress or BuildProgress()
-    with build_context(request, root) as context_file:
+    request = with_machine_sources(request)
+    inputs = plan_inputs(request)
+    for note in inputs.notes:
+        if on_note:
+            on_note(note)
+
+    def notes() -> tuple[str, ...]:
+        return (*inputs.notes, *progress.notes)
+
+    with build_context(request, root, inputs) as context_file:
         if request.target:
             image_id = run_build(client, context_file, request, None, progress, tag=True)
-            return BuiltImage(image_id, request.image_tag, {}, {}, progress.elapsed_s)
+            return BuiltImage(image_id, request.image_tag, {}, {}, progress.elapsed_s, notes=notes())
         # Pass 1 stays untagged: the tag keeps naming the previous image until pass 2 replaces it.
         unlabelled = run_build(client, context_file, request, None, progress, tag=False)
         versions = probe_versions(client, unlabelled)
@@ -390,11 +492,12 @@ def build_image(
         if previous is not None:
             # Nothing changed: keep the existing image (and its ID, which nodes may already hold)
             # rather than minting a new ID that differs only in its build-time label.
-            return BuiltImage(previous.id, request.image_tag, dict(previous.labels), versions, progress.elapsed_s)
+            labels = dict(previous.labels)
+            return BuiltImage(previous.id, request.image_tag, labels, versions, progress.elapsed_s, notes=notes())
         labels = labels_for(versions, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         progress.step, progress.step_index, progress.step_count = "labelling", 0, 0
         image_id = run_build(client, context_file, request, labels, progress, tag=True)
-    return BuiltImage(image_id, request.image_tag, labels, versions, progress.elapsed_s)
+    return BuiltImage(image_id, request.image_tag, labels, versions, progress.elapsed_s, notes=notes())
 
 
 def _same_build(client, tag: str, unlabelled_id: str, versions: dict[str, str]):
@@ -406,11 +509,12 @@ def _same_build(client, tag: str, unlabelled_id: str, versions: dict[str, str]):
     except docker.errors.ImageNotFound:
         return None
     labels = current.labels or {}
-    if any(labels.get(f"{LABEL_PREFIX}{key}") != str(versions.get(key)) for key in VERSION_LABELS):
+    wanted = labels_for(versions, "")
+    if any(labels.get(key) != value for key, value in wanted.items() if key != f"{LABEL_PREFIX}build-time"):
         return None
     # Label steps are config-only children of the unlabelled image: walk up a few parents.
     image_id = current.id
-    for _ in range(len(VERSION_LABELS) + 2):
+    for _ in range(len(VERSION_LABELS) + len(EXTRA_LABELS) + 2):
         if image_id == unlabelled_id:
             return current
         image_id = client.api.inspect_image(image_id).get("Parent") or ""
@@ -437,7 +541,7 @@ def push_reference(client, name: str, registry: str, on_line: Callable[[str], No
 def push_image(client, image: BuiltImage, registry: str, on_line: Callable[[str], None] | None = None) -> BuiltImage:
     """Push a built image to ``registry``; return it under its registry name, with the digest."""
     remote, digest = push_reference(client, image.tag, registry, on_line)
-    return BuiltImage(image.id, remote, image.labels, image.versions, image.elapsed_s, digest)
+    return dataclasses.replace(image, tag=remote, digest=digest)
 
 
 def image_labels(client, image: str) -> dict[str, str]:
@@ -445,5 +549,7 @@ def image_labels(client, image: str) -> dict[str, str]:
 
 
 def iter_versions(labels: dict[str, str]) -> Iterable[tuple[str, str]]:
-    for key in (*VERSION_LABELS, "build-time"):
+    for key in (*VERSION_LABELS, *EXTRA_LABELS, "build-time"):
+        if key in EXTRA_LABELS and f"{LABEL_PREFIX}{key}" not in labels:
+            continue
         yield key, labels.get(f"{LABEL_PREFIX}{key}", "?")

@@ -1,7 +1,8 @@
 """A local Debian base image for the image tests: no registry can be reached from these machines.
 
-``debootstrap --variant=minbase`` of Debian bookworm into a folder, packed as a tarball and
-``docker import``-ed. Debian bookworm's python3 is 3.11, the version the local torch wheel is
+``debootstrap --variant=minbase`` of Debian bookworm, from the Debian mirror apt is configured with
+here, into a folder, packed as a tarball and ``docker import``-ed. Debian bookworm's python3 is
+3.11, the version the local torch wheel is
 built for. The tarball is cached under ``$DZCTL_TEST_CACHE`` (default ``/var/cache/dzctl-test``),
 keyed by everything that goes into it, so a rerun (CI runs on a fresh clone of the same machine)
 skips the ~1 minute debootstrap; the first run builds it from nothing.
@@ -21,18 +22,36 @@ import sys
 import tempfile
 from pathlib import Path
 
+from orchestrator.buildsources import apt_mirror_for, read_apt_sources
+
 SUITE = "bookworm"
 # What the Dockerfile's CPU flavour needs from the system: an interpreter with venv and headers,
 # a C++ compiler (DeepSpeed's CPU accelerator compiles its shared-memory op) and CA certificates.
 PACKAGES = ("python3", "python3-venv", "python3-dev", "g++", "ca-certificates")
-MIRROR = os.environ.get("DZCTL_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 CACHE_DIR = Path(os.environ.get("DZCTL_TEST_CACHE", "/var/cache/dzctl-test"))
 REPOSITORY = "dzctl-test/debian-base"
 
 
+def debian_mirror() -> str:
+    """The Debian mirror apt is configured with here (``$DZCTL_TEST_DEBIAN_MIRROR`` overrides it).
+
+    No mirror is named in the repository: a machine behind a mirror or a proxy has apt set up for it.
+    """
+    explicit = os.environ.get("DZCTL_TEST_DEBIAN_MIRROR")
+    if explicit:
+        return explicit
+    mirror = apt_mirror_for(SUITE, read_apt_sources())
+    if mirror is None:
+        raise RuntimeError(
+            f"apt on this machine has no source for Debian {SUITE} (/etc/apt/sources.list*): "
+            "set DZCTL_TEST_DEBIAN_MIRROR to a Debian mirror URL"
+        )
+    return mirror
+
+
 def base_key() -> str:
     """Hash of every input of the rootfs: a change of any of them makes a new tarball."""
-    inputs = {"suite": SUITE, "variant": "minbase", "packages": sorted(PACKAGES), "mirror": MIRROR, "v": 1}
+    inputs = {"suite": SUITE, "variant": "minbase", "packages": sorted(PACKAGES), "mirror": debian_mirror(), "v": 1}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -61,7 +80,7 @@ def _debootstrap_to(tarball: Path) -> None:
             f"--include={','.join(PACKAGES)}",
             SUITE,
             str(root),
-            MIRROR,
+            debian_mirror(),
         ]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:

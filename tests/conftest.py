@@ -80,10 +80,18 @@ def base_image(local_docker_url):
 # -- end to end (issue 6): the CPU image, built once per session --------------------------------
 @pytest.fixture(scope="session")
 def cpu_image_tag(local_docker_url, base_image):
-    """The CPU flavour built from this checkout by `dzctl build`; its tag on the local daemon."""
+    """The CPU flavour built from this checkout by `dzctl build`; its tag on the local daemon.
+
+    ``DZCTL_TEST_E2E_IMAGE`` names a prebuilt image to use instead (benchmarks/e2e_cuda_image.sh
+    runs the docker e2e on the CUDA flavour, too slow to build in every CI run).
+    """
     import json
     import subprocess
     import sys
+
+    prebuilt = os.environ.get("DZCTL_TEST_E2E_IMAGE")
+    if prebuilt:
+        return prebuilt
 
     from test_image import CPU_TAG, cpu_build_args
 

@@ -8,12 +8,15 @@ sent is the local Debian base (~470 MB): big enough to cut a transfer half-way, 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import docker
 import pytest
 
 from orchestrator.distribute import _Pipe, codec_for, distribute_image, distribute_via_registry
+from orchestrator.layers import SkipHeldLayers, chain_ids, filter_tar, held_prefix, v1_ids
 from orchestrator.ssh import HostPool
 
 # -- pure parts -----------------------------------------------------------------------------------
@@ -209,3 +213,135 @@ def test_push_then_every_node_pulls_the_same_id(cluster, local_docker_url, base_
         assert result.hosts[host.name].detail == f"pulled {remote}; tagged {base_image}"
         assert host_image_id(hosts, host, base_image) == local_id
         assert host_image_id(hosts, host, remote) == local_id
+
+
+# -- layer-aware: ship only the layers a node lacks --------------------------------------------------
+
+
+def test_chain_ids_and_held_prefix():
+    a, b, c = (f"sha256:{ch * 64}" for ch in "abc")
+    chains = chain_ids([a, b, c])
+    assert chains[0] == a
+    assert chains[1] == "sha256:" + hashlib.sha256(f"{a} {b}".encode()).hexdigest()
+    assert chains[2] == "sha256:" + hashlib.sha256(f"{chains[1]} {c}".encode()).hexdigest()
+    assert held_prefix([a, b, c], [[a, b, "sha256:" + "f" * 64], [a]]) == 2
+    assert held_prefix([a, b, c], [[b, a]]) == 0
+    assert held_prefix([a, b], [[a, b, c]]) == 2
+
+
+def legacy_save(tmp_path, diff_ids: list[str], payloads: list[bytes]) -> tuple[bytes, list[str]]:
+    """A tarball laid out as docker save (legacy format) lays one out: folders named by v1 ID,
+    written in name order, with pax headers on the top layer (as large or odd members get)."""
+    template = {"created": "1970-01-01T00:00:00Z", "container_config": {"Hostname": "", "Env": None}}
+    ids = [*v1_ids(template, chain_ids(diff_ids)[:-1]), "f" * 64]
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for index in sorted(range(len(ids)), key=lambda i: ids[i]):
+            top = index == len(ids) - 1
+            layer_json = {"id": ids[index], **template, "os": "linux"}
+            if index:
+                layer_json["parent"] = ids[index - 1]
+            if top:
+                layer_json["created"] = "2026-11-30T00:00:00Z"
+            for leaf, body in (
+                ("VERSION", b"1.0"),
+                ("json", json.dumps(layer_json).encode()),
+                ("layer.tar", payloads[index]),
+            ):
+                info = tarfile.TarInfo(f"{ids[index]}/{leaf}")
+                info.size = len(body)
+                if top:
+                    info.pax_headers = {"comment": "x" * 300}
+                tar.addfile(info, io.BytesIO(body))
+        manifest = json.dumps([{"Layers": [f"{i}/layer.tar" for i in ids]}]).encode()
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+    return buffer.getvalue(), ids
+
+
+def test_filter_leaves_out_exactly_the_held_layers(tmp_path):
+    diff_ids = [f"sha256:{ch * 64}" for ch in "123"]
+    payloads = [b"A" * 5000, b"B" * 700, b"C" * 1300]
+    saved, ids = legacy_save(tmp_path, diff_ids, payloads)
+    for held, dropped in ((0, []), (1, [ids[0]]), (2, ids[:2]), (3, ids)):
+        skip = SkipHeldLayers(chain_ids(diff_ids), held)
+        # Odd chunk sizes: headers and members split across chunks.
+        chunks = [saved[i : i + 777] for i in range(0, len(saved), 777)]
+        out = b"".join(filter_tar(chunks, skip.keep, skip.note_json))
+        with tarfile.open(fileobj=io.BytesIO(out)) as tar:
+            names = tar.getnames()
+            kept = {name: tar.extractfile(name).read() for name in names if name.endswith("/layer.tar")}
+        assert sorted(skip.skipped) == sorted(dropped), held
+        assert sorted(kept) == sorted(f"{i}/layer.tar" for i in ids if i not in dropped)
+        for index, folder in enumerate(ids):
+            if folder not in dropped:
+                assert kept[f"{folder}/layer.tar"] == payloads[index]
+        assert "manifest.json" in names and all(f"{i}/json" in names for i in ids)
+
+
+def build_local(docker_url: str, tag: str, dockerfile: str, workdir) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "Dockerfile").write_text(dockerfile)
+    done = subprocess.run(
+        ["docker", "-H", docker_url, "build", "-q", "--network", "host", "-t", tag, str(workdir)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return docker.DockerClient(base_url=docker_url, version="auto").images.get(tag).id
+
+
+@pytest.mark.integration
+def test_only_missing_layers_travel_and_ids_match(cluster, local_docker_url, base_image, tmp_path):
+    hosts = cluster(2, docker=True)
+    names = [h.name for h in hosts.hosts]
+    # v1: the base plus a small layer; v2: one more small layer (a code change); v2b: v2 relabelled.
+    run = f"FROM {base_image}\nRUN echo one > /one\n"
+    build_local(local_docker_url, "dzctl-test/layers:v1", run, tmp_path / "v1")
+    v2 = build_local(
+        local_docker_url, "dzctl-test/layers:v2", run + f"RUN echo {tmp_path.name} > /two\n", tmp_path / "v2"
+    )
+    v2b = build_local(
+        local_docker_url,
+        "dzctl-test/layers:v2b",
+        f"FROM dzctl-test/layers:v2\nLABEL x={tmp_path.name}\n",
+        tmp_path / "v2b",
+    )
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
+    base_bytes = client.images.get(base_image).attrs["Size"]
+    with HostPool(names, ssh_config=hosts.ssh_config) as pool:
+        first = distribute_image("dzctl-test/layers:v1", ["node0"], pool, client=client, codec="none")
+        assert first.ok and first.hosts["node0"].layers_held == 0  # nothing in common: the full stream
+        assert first.hosts["node0"].bytes_sent > base_bytes * 0.9
+        second = distribute_image("dzctl-test/layers:v2", names, pool, client=client, codec="none")
+        assert second.ok, second.to_dict()
+        node0, node1 = second.hosts["node0"], second.hosts["node1"]
+        assert (node0.layers_held, node0.layers_total) == (2, 3)
+        assert node0.bytes_sent < 100_000, node0.bytes_sent  # the one new layer, a few KB
+        assert node1.layers_held == 0 and node1.bytes_sent > base_bytes * 0.9  # fallback: whole
+        third = distribute_image("dzctl-test/layers:v2b", ["node0"], pool, client=client, codec="none")
+        assert third.ok and third.hosts["node0"].layers_held == 3
+        assert third.hosts["node0"].bytes_sent < 50_000  # the config alone
+    for host in hosts.hosts:
+        assert host_image_id(hosts, host, "dzctl-test/layers:v2") == v2
+    assert host_image_id(hosts, hosts.hosts[0], "dzctl-test/layers:v2b") == v2b
+
+
+@pytest.mark.integration
+def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_url, base_image, tmp_path, monkeypatch):
+    # The listing says node0 holds the base layer, but it does not (it was pruned between the
+    # listing and the load): its partial load fails, and it is sent the full stream instead.
+    hosts = cluster(1, docker=True)
+    tag = "dzctl-test/layers:lost"
+    image_id = build_local(local_docker_url, tag, f"FROM {base_image}\nRUN echo lost > /lost\n", tmp_path / "img")
+    import orchestrator.distribute as distribute
+
+    monkeypatch.setattr(distribute, "held_layers", lambda pool, hosts, layers: dict.fromkeys(hosts, 1))
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
+    with HostPool(["node0"], ssh_config=hosts.ssh_config) as pool:
+        result = distribute_image(tag, ["node0"], pool, client=client, codec="none")
+    assert result.ok, result.to_dict()
+    assert result.hosts["node0"].layers_held == 0  # the last attempt: whole
+    assert result.hosts["node0"].bytes_sent > 100_000_000
+    assert host_image_id(hosts, hosts.hosts[0], tag) == image_id

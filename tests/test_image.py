@@ -20,6 +20,7 @@ import pytest
 from orchestrator.image import (
     DOCKERFILE,
     FLAVOURS,
+    TORCH_VERSION,
     BuildProgress,
     BuildRequest,
     build_args,
@@ -56,7 +57,12 @@ def test_cuda_flavour_is_the_dockerfile_default():
     defaults = dockerfile_args()
     for name, value in FLAVOURS["cuda"].items():
         assert defaults[name] == value, name
-    assert args == {**FLAVOURS["cuda"], "PIP_OFFLINE": "0"}
+    assert defaults["TORCH_VERSION"] == TORCH_VERSION
+    no_pip_sources = {"DZCTL_PIP_INDEX_URL": "", "DZCTL_PIP_EXTRA_INDEX_URL": "", "DZCTL_PIP_FIND_LINKS": ""}
+    no_pip_sources["DZCTL_PIP_TRUSTED_HOST"] = ""
+    assert args == {**FLAVOURS["cuda"], "TORCH_VERSION": TORCH_VERSION, "PIP_OFFLINE": "0", **no_pip_sources}
+    for name, value in no_pip_sources.items():
+        assert defaults[name] == value, name
 
 
 def test_cuda_flavour_build_args():
@@ -70,7 +76,12 @@ def test_cuda_flavour_build_args():
     assert args["TORCH_CUDA_ARCH_LIST"].split(";") == ["8.0", "9.0"]
     assert set(args["DS_BUILD_OPS_LIST"].split()) >= {"CPU_ADAM", "FUSED_ADAM"}
     assert set(args["EXTRA_SYSTEM_PACKAGES"].split()) >= {"libibverbs1", "ibverbs-providers", "rdma-core"}
-    assert args["DS_ACCELERATOR"] == "cuda"
+    assert args["DS_ACCELERATOR"] == "cuda" and args["DZCTL_FLAVOUR"] == "cuda"
+    # Liger's fused loss and LoRA through PEFT ride in the CUDA image, pinned.
+    assert {spec.split("==")[0] for spec in args["EXTRA_PYTHON_PACKAGES"].split()} == {"liger-kernel", "peft"}
+    assert all("==" in spec for spec in args["EXTRA_PYTHON_PACKAGES"].split())
+    # libaio for DeepSpeed's async I/O (NVMe offload), in every flavour's system stage.
+    assert "libaio-dev" in dockerfile_args()["SYSTEM_PACKAGES"].split()
 
 
 def test_cpu_flavour_build_args_and_overrides():
@@ -212,15 +223,10 @@ CUDA_SYSTEM_TAG = "dzctl-test/cuda:system"
 
 
 def cpu_build_args(base_image: str) -> list[str]:
-    """`dzctl build` of the CPU flavour on the local base, torch from a wheelhouse."""
-    from baseimage import torch_wheelhouse
-
-    args = ["build", "--flavour", "cpu", "--base-image", base_image, "--tag", CPU_TAG, "--json"]
-    args += ["--wheelhouse", str(torch_wheelhouse())]
-    if os.environ.get("PIP_CERT"):
-        # This machine reaches PyPI through a TLS-intercepting proxy whose CA pip must trust.
-        args += ["--ca-bundle", os.environ["PIP_CERT"]]
-    return args
+    """`dzctl build` of the CPU flavour on the local base, as a user types it: no --wheelhouse, no
+    --ca-bundle. The torch wheel and the CA come from pip's configuration on this machine (its
+    find-links hold the CPU wheel; its cert trusts the TLS-intercepting proxy)."""
+    return ["build", "--flavour", "cpu", "--base-image", base_image, "--tag", CPU_TAG, "--json"]
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +261,15 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
         assert labels[f"dzctl.{key}"] == value, key
     assert labels["dzctl.cuda"] == "cpu" and "+cpu" in labels["dzctl.torch"]
     assert labels["dzctl.nccl"] == "none"  # a CPU torch has no NCCL, and says so
+    assert labels["dzctl.cudnn"] == "none"
+    # Where torch came from: the CPU wheel pip's configured sources hold, brought in by dzctl build.
+    assert re.fullmatch(
+        rf"the build's wheelhouse \(torch-{re.escape(TORCH_VERSION)}\+cpu-.*\.whl\)", labels["dzctl.torch-source"]
+    )
+    # No nvidia-* CUDA libraries in a CPU image (PyPI's CUDA torch brings ~4 GB of them).
+    listed = docker_cli(["run", "--rm", image_id, "pip", "list", "--format", "freeze"], local_docker_url)
+    assert listed.returncode == 0, listed.stderr
+    assert not [line for line in listed.stdout.splitlines() if line.lower().startswith("nvidia-")]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", labels["dzctl.build-time"])
     assert cpu_image["labels"] == {k: v for k, v in labels.items() if k.startswith("dzctl.")}
 
@@ -319,3 +334,132 @@ def test_build_failure_names_the_step_without_traceback(local_docker_url):
     assert "FROM ${BASE_IMAGE} AS system" in done.stderr
     assert "(BASE_IMAGE=dzctl-test/no-such-base:1)" in done.stderr
     assert "fix: the base image dzctl-test/no-such-base:1 is neither in the local daemon nor pullable" in done.stderr
+
+
+# -- a flavour holds what it says -------------------------------------------------------------------
+
+# A port nothing listens on: an index that cannot be reached, refused at once.
+UNREACHABLE = "http://127.0.0.1:9/simple"
+
+
+def bare_pip_env(docker_url: str, **extra: str) -> dict[str, str]:
+    """This environment with pip's configuration files and sources removed (its CA kept)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "DOCKER_HOST": docker_url, **extra}
+
+
+def build_with_env(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, timeout=1800, env=env
+    )
+
+
+def image_exists(tag: str, docker_url: str) -> bool:
+    return docker_cli(["image", "inspect", tag], docker_url).returncode == 0
+
+
+@pytest.mark.integration
+def test_cpu_build_with_no_cpu_torch_anywhere_fails_at_the_torch_step(local_docker_url, base_image):
+    # The user's case from issue 16: PyTorch's CPU index out of reach, PyPI reachable (its torch is
+    # a CUDA build). The build must not label PyPI's CUDA torch cpu: it stops at the torch step,
+    # before DeepSpeed and the rest, and names the fix.
+    tag = "dzctl-test/cpu-no-torch:image"
+    docker_cli(["rmi", "-f", tag], local_docker_url)
+    args = ["build", "--flavour", "cpu", "--base-image", base_image, "--tag", tag]
+    done = build_with_env([*args, "--torch-index-url", UNREACHABLE], bare_pip_env(local_docker_url))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "install-python.sh torch" in done.stderr  # the failing step: the first Python step
+    assert f"pip found no cpu build of torch {TORCH_VERSION}" in done.stderr
+    assert "Fix: give dzctl build --wheelhouse DIR" in done.stderr
+    assert "cannot be reached" in done.stderr  # it says which source it could not use
+    assert not image_exists(tag, local_docker_url)
+
+
+@pytest.mark.integration
+def test_cuda_build_refuses_a_cpu_torch(local_docker_url, base_image):
+    # The reverse: a wheelhouse holding only the CPU wheel (authoritative for torch until now) and
+    # no index that has a CUDA build. The cuda flavour must not install the CPU wheel.
+    from baseimage import torch_wheelhouse
+
+    tag = "dzctl-test/cuda-cpu-torch:image"
+    docker_cli(["rmi", "-f", tag], local_docker_url)
+    args = ["build", "--flavour", "cuda", "--base-image", base_image, "--tag", tag]
+    args += ["--wheelhouse", str(torch_wheelhouse()), "--torch-index-url", UNREACHABLE]
+    done = build_with_env(args, bare_pip_env(local_docker_url, PIP_INDEX_URL=UNREACHABLE))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "the wheelhouse has no cuda torch" in done.stderr
+    assert f"pip found no cuda build of torch {TORCH_VERSION}" in done.stderr
+    assert not image_exists(tag, local_docker_url)
+
+
+# -- a code change touches only the last layers ----------------------------------------------------
+
+
+def test_dockerfile_keeps_its_order_os_torch_deps_project():
+    steps = [line for line in (ROOT / DOCKERFILE).read_text().splitlines() if re.match(r"^(RUN|COPY) ", line)]
+
+    def first(fragment: str) -> int:
+        return next(i for i, step in enumerate(steps) if fragment in step)
+
+    order = ["apt-install.sh ${SYSTEM_PACKAGES}", "install-python.sh torch", "install-python.sh deps"]
+    order += ["install-python.sh project-deps", "COPY orchestrator /opt/dzctl-src/orchestrator"]
+    assert [first(fragment) for fragment in order] == sorted(first(fragment) for fragment in order)
+    # The whole package is copied only after every dependency step (a code change reaches no
+    # earlier layer); its __init__ (the version, read by the metadata) alone is copied before.
+    early = [step for step in steps[: first("COPY orchestrator /opt")] if "orchestrator" in step]
+    assert early == ["COPY orchestrator/__init__.py /opt/dzctl-meta/orchestrator/__init__.py"]
+
+
+def layer_ids(client, image_id: str) -> list[str]:
+    return client.api.inspect_image(image_id)["RootFS"]["Layers"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_docker_url, base_image, tmp_path):
+    import shutil
+
+    import docker
+
+    from orchestrator.image import build_image
+
+    # A copy of the build context with one line changed in a module of orchestrator/.
+    copy = tmp_path / "src"
+    for rel in context_files(ROOT, read_dockerignore(ROOT)):
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, copy / rel)
+    changed = copy / "orchestrator" / "cli.py"
+    changed.write_text(changed.read_text() + f"\n# a one-line change ({tmp_path.name})\n")
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=1800)
+    request = BuildRequest(flavour="cpu", base_image=base_image, tag=f"{CPU_TAG}-changed")
+    rebuilt = build_image(request, client, root=copy)
+    before, after = layer_ids(client, cpu_image["image_id"]), layer_ids(client, rebuilt.id)
+    assert rebuilt.id != cpu_image["image_id"] and len(before) == len(after)
+    same = next(i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old != new)
+    # What changed starts at the layer holding the package's code: its parent image (the build
+    # keeps intermediate images) is the one whose layers are exactly the unchanged prefix.
+    parent = client.api.inspect_image(rebuilt.id)
+    while len(parent["RootFS"]["Layers"]) > same:
+        parent = client.api.inspect_image(parent["Parent"])
+    assert parent["RootFS"]["Layers"] == before[:same]
+    history = [entry["CreatedBy"] for entry in client.api.history(rebuilt.id)]
+    first_new = next(h for h in reversed(history) if "/opt/dzctl-src/orchestrator" in h)
+    assert "COPY dir:" in first_new
+    # Every layer under the code is the old one; what is left to ship is a sliver of the image.
+    changed_bytes = client.api.inspect_image(rebuilt.id)["Size"] - parent["Size"]
+    assert changed_bytes < 0.02 * client.api.inspect_image(rebuilt.id)["Size"], changed_bytes
+    assert len(after) - same <= 5
+
+
+def test_preflight_reads_the_cuda_images_gpu_labels():
+    from orchestrator.preflight.checks import gpu_stack_check
+
+    labels = {"dzctl.cuda": "13.0", "dzctl.torch": "2.13.0+cu130", "dzctl.nccl": "2.29.7", "dzctl.cudnn": "9.15.1"}
+    prebuilt = {**labels, "dzctl.deepspeed-ops-prebuilt": "cpu_adam,fused_adam", "dzctl.nvcc": "13.0"}
+    assert gpu_stack_check(prebuilt).status == "ok"
+    jit_only = {**labels, "dzctl.deepspeed-ops-prebuilt": "none", "dzctl.nvcc": "none"}
+    assert gpu_stack_check(jit_only).status == "warn" and "no nvcc" in gpu_stack_check(jit_only).detail
+    assert gpu_stack_check({**labels, "dzctl.nccl": "none"}).status == "fail"
+    assert gpu_stack_check({"dzctl.cuda": "cpu", "dzctl.nccl": "none"}) is None  # cuda_driver_check's case
+    assert gpu_stack_check({"dzctl.cuda": "13.0"}) is None  # an image from before these labels

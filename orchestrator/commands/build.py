@@ -22,6 +22,7 @@ class BuildView:
         self.console = console
         self.live: Live | None = None
         self.last_step: tuple[int, str] | None = None
+        self.notes_shown = 0
 
     def __enter__(self) -> BuildView:
         if self.console.is_terminal:
@@ -34,6 +35,10 @@ class BuildView:
             self.live.__exit__(*exc)
 
     def update(self, progress: BuildProgress) -> None:
+        # The build scripts' own notes (where torch came from, ops left to JIT) are printed as they come.
+        for note in progress.notes[self.notes_shown :]:
+            self.console.print(note, highlight=False, markup=False)
+        self.notes_shown = len(progress.notes)
         step = (progress.step_index, progress.step)
         if self.live:
             lines = [Text(line, style="dim", overflow="ellipsis", no_wrap=True) for line in list(progress.tail)[-4:]]
@@ -59,10 +64,16 @@ class BuildView:
     help="CA bundle pip trusts during the build (a TLS-intercepting proxy); not kept in the image.",
 )
 @click.option("--offline", is_flag=True, help="No package index: everything from --wheelhouse.")
+@click.option(
+    "--torch-index-url",
+    metavar="URL",
+    help="Index holding the flavour's torch build (default: PyTorch's own; pip's configured sources where it "
+    "cannot be reached). pip's other sources are read from its configuration (pip config list).",
+)
 @click.option("--target", metavar="STAGE", help="Build only up to this Dockerfile stage (system, python).")
 @click.option("--push", "registry", metavar="REGISTRY", help="Push the image to REGISTRY afterwards.")
 @json_option
-def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, target, registry, as_json):
+def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, torch_index_url, target, registry, as_json):
     """Build the image every node runs and label it with the versions inside it."""
     request = BuildRequest(
         flavour=flavour,
@@ -72,11 +83,17 @@ def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, targ
         ca_bundle=ca_bundle,
         offline=offline,
         target=target,
+        torch_index_url=torch_index_url,
     )
     console = Console(stderr=True, soft_wrap=True)  # CI logs: one line per step, never wrapped
     client = docker_client()
     with BuildView(console) as view:
-        image = build_image(request, client, BuildProgress(on_update=view.update))
+        image = build_image(
+            request,
+            client,
+            BuildProgress(on_update=view.update),
+            on_note=lambda line: console.print(line, highlight=False),
+        )
     if registry:
         image = push_image(client, image, registry, on_line=lambda line: console.print(line, highlight=False))
     if as_json:
@@ -87,7 +104,7 @@ def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, targ
     if image.digest:
         click.echo(f"digest {image.digest}")
     for key, value in iter_versions(image.labels) if image.labels else ():
-        click.echo(f"  {key:<13}{value}")
+        click.echo(f"  {key:<25}{value}")
     click.echo(f"built in {image.elapsed_s:.0f} s")
 
 

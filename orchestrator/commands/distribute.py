@@ -66,7 +66,11 @@ def render(result: DistributeResult) -> str:
         )
     for outcome in result.hosts.values():
         rate = f"  {_rate(outcome.bytes_sent, outcome.elapsed_s)}" if outcome.status == "loaded" else ""
-        lines.append(f"  {outcome.host:<20} {outcome.status:<8} {outcome.elapsed_s:6.1f} s{rate}  {outcome.detail}")
+        sent = f"  {outcome.bytes_sent / MB:,.1f} MB" if outcome.status != "present" else ""
+        held = f"  (had {outcome.layers_held}/{outcome.layers_total} layers)" if outcome.layers_held else ""
+        lines.append(
+            f"  {outcome.host:<20} {outcome.status:<8} {outcome.elapsed_s:6.1f} s{sent}{rate}{held}  {outcome.detail}"
+        )
     lines.append(f"{'done' if result.ok else 'FAILED'} in {result.elapsed_s:.1f} s")
     return "\n".join(lines)
 
@@ -87,7 +91,8 @@ def render(result: DistributeResult) -> str:
 def distribute_command(
     image, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts, codec, registry, as_json
 ):
-    """Give every node IMAGE by ID: skip nodes that have it, stream `docker save` once to the rest."""
+    """Give every node IMAGE by ID: skip nodes that have it, stream `docker save` once to the rest,
+    leaving out the layers each node already holds."""
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     console = Console(stderr=True, soft_wrap=True)  # CI logs: one line per report, never wrapped
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:

@@ -631,6 +631,33 @@ def cuda_driver_check(image_cuda: str | None, driver_cuda: str | None, driver: s
     )
 
 
+def gpu_stack_check(labels: dict[str, str]) -> Check | None:
+    """Pure: can the image's GPU stack (its dzctl.* labels from the build's probe) train on GPUs?
+
+    None for images built before these labels existed, and for CPU images (cuda_driver_check
+    already refuses those for GPU jobs).
+    """
+    cuda, nccl = labels.get("dzctl.cuda"), labels.get("dzctl.nccl")
+    if not cuda or cuda == "cpu" or nccl is None:
+        return None
+    if nccl == "none":
+        return fail(
+            "gpu-stack",
+            f"the image's torch ({labels.get('dzctl.torch')}) has no NCCL: multi-GPU training cannot communicate",
+            "rebuild the image with dzctl build --flavour cuda",
+        )
+    prebuilt, nvcc = labels.get("dzctl.deepspeed-ops-prebuilt"), labels.get("dzctl.nvcc")
+    detail = f"torch {labels.get('dzctl.torch')}, NCCL {nccl}, cuDNN {labels.get('dzctl.cudnn', '?')}"
+    if prebuilt == "none" and nvcc == "none":
+        return warn(
+            "gpu-stack",
+            detail + "; DeepSpeed's ops are not prebuilt and the image has no nvcc to JIT them: "
+            "FusedAdam and CPU Adam (optimizer offload) fail at first use",
+            "build on a CUDA devel base (dzctl build --flavour cuda with its default base) to prebuild them",
+        )
+    return ok("gpu-stack", detail + f"; DeepSpeed ops prebuilt: {prebuilt or '?'}")
+
+
 def safe(name: str, fn, *args) -> list[Check]:
     """Run one check function; a dropped connection becomes that check's failure, not a crash."""
     try:

@@ -211,6 +211,8 @@ def _node_checks(conn: Connection, ctx: c.Context, facts: c.Facts, master_target
         # Needs the driver's CUDA (nvidia-smi group) and the image's label (docker group).
         cuda = c.cuda_driver_check(facts.image_labels.get("dzctl.cuda"), facts.driver_cuda, facts.driver)
         checks += [cuda] if cuda else []
+        stack = c.gpu_stack_check(facts.image_labels)
+        checks += [stack] if stack else []
     return checks
 
 

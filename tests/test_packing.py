@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -118,7 +119,7 @@ def _per_example_losses(logits: torch.Tensor, labels: torch.Tensor, cu: list[int
     shift_logits, shift_labels = logits[0, :-1], labels[0, 1:]
     losses = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="none")
     out = []
-    for start, end in zip(cu, cu[1:], strict=False):
+    for start, end in itertools.pairwise(cu):
         # Predictions made inside the example: positions start..end-2 predict start+1..end-1.
         span_labels, span_loss = shift_labels[start : end - 1], losses[start : end - 1]
         keep = span_labels != -100

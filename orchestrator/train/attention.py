@@ -232,9 +232,11 @@ def _varlen(query, key, value, cu, max_len, scaling):
     varlen_attn, extra, takes_gqa, takes_scale = _varlen_call()
     if takes_scale:
         extra["scale"] = scaling
-    q = query[0].transpose(0, 1)  # (T, H, D)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    # (T, H, D), contiguous: after RoPE the (1, H, T, D) tensors are head-major, and a
+    # copy of q, k, v costs far less than the attention itself.
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
     if k.shape[1] != q.shape[1]:
         if takes_gqa:
             extra = {**extra, "enable_gqa": True}

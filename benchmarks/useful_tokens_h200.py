@@ -171,12 +171,14 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
     result["launch_wall_s"] = round(time.monotonic() - started, 1)
     log.write(f"===== {config}: {' '.join(launch_argv)}\n{stderr}\n{stdout}\n")
     log.flush()
-    if config == "synthetic" and code == 2 and "synthetic:random" in stderr:
-        # This checkout's launch refuses synthetic:random (issue 12's last item, done elsewhere):
-        # run the same planned job through the trainer under torchrun, and say so.
-        result["ran_via"] = "torchrun (dzctl launch refused data.path synthetic:random)"
-        stderr = run_trainer_directly(spec, plan, workdir, args, env, log)
     progress = workdir / "remote" / "output" / spec["name"] / "progress.jsonl"
+    if code not in (0, "timeout") and not progress.exists() and "ds_config" in plan:
+        # Launch refused before any rank started: this checkout's launch refusing
+        # synthetic:random (issue 12's last item, done elsewhere), or preflight failing on a
+        # machine without `ip` (issue 13). Run the same planned job through the trainer
+        # under torchrun, and say so in the result.
+        result["ran_via"] = "torchrun: dzctl launch refused: " + " / ".join(stderr.strip().splitlines()[-2:])
+        stderr = run_trainer_directly(spec, plan, workdir, args, env, log)
     events = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()] if progress.exists() else []
     result.update(measure(events, args, config, stderr))
     if "error" in result and code != 0:
@@ -306,6 +308,7 @@ def main() -> int:
     args.attention_len = lengths["attention_len"]
     print(f"data {data_file}: {json.dumps(lengths)}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("DZCTL_HOME", str(Path(args.work) / "dzctl-home"))  # the job records, away from ~
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     results: list[dict] = []
     began = time.monotonic()

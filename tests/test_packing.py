@@ -72,6 +72,20 @@ def test_auto_is_on_for_gpu_and_off_for_cpu_and_synthetic():
         _spec(packing="yes")
 
 
+def test_status_shows_useful_tokens_and_padding_efficiency():
+    import json
+
+    from orchestrator.commands.jobs import render_status
+    from orchestrator.status import JobStatus, parse_progress
+
+    step = {"event": "step", "time": 1.0, "step": 3, "max_steps": 9, "loss": 2.0, "tokens_per_s": 4100.0}
+    step.update(processed_tokens_per_s=8200.0, padding_efficiency=0.5, eta_s=12.0)
+    progress, age, _ = parse_progress(json.dumps(step) + "\n", now=2.0)
+    assert progress["tokens_per_s"] == 4100.0 and progress["padding_efficiency"] == 0.5
+    text = render_status(JobStatus("j", "j-1", "running", [], progress, age, None))
+    assert "useful tokens/s 4,100" in text and "(padding efficiency 50%)" in text
+
+
 # --- the packed batch through a real model (torch) ---------------------------------------------
 
 torch = pytest.importorskip("torch")

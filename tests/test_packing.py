@@ -72,6 +72,28 @@ def test_auto_is_on_for_gpu_and_off_for_cpu_and_synthetic():
         _spec(packing="yes")
 
 
+RESOLVED = [("gpu", "auto", True), ("cpu", "auto", False), ("cpu", True, True), ("gpu", False, False)]
+
+
+@pytest.mark.parametrize(("accelerator", "packing_value", "expected"), RESOLVED)
+def test_launch_writes_the_resolved_packing_into_the_job_file(tmp_path, accelerator, packing_value, expected):
+    from orchestrator.hostfile import load_nodes
+    from orchestrator.jobfiles import resolved_spec
+    from orchestrator.plan import make_plan
+    from orchestrator.spec import load_job
+
+    (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
+    (tmp_path / "job.yaml").write_text(
+        f"name: j\naccelerator: {accelerator}\nruntime: process\nmodel: {{name_or_path: m}}\n"
+        f"data: {{path: d.jsonl}}\ntrain: {{packing: {str(packing_value).lower()}}}\n",
+        encoding="utf-8",
+    )
+    job = load_job(tmp_path / "job.yaml")
+    plan = make_plan(job.spec, load_nodes(tmp_path / "hosts.txt"), "j-20260101-0000-abcd")
+    assert resolved_spec(job, plan, plan.nodes[0], None)["train"]["packing"] is expected
+
+
 def test_status_shows_useful_tokens_and_padding_efficiency():
     import json
 
@@ -117,7 +139,9 @@ def _examples(seed: int = 0) -> list[dict[str, list[int]]]:
     out = []
     for n in (13, 7, 30, 21, 5):
         ids = [rng.randrange(1, 97) for _ in range(n)]
-        prompt = n // 3  # loss on the "response" only, as the data module labels it
+        # Loss on the "response" only, as the data module labels it; two examples train on
+        # every token (as synthetic rows do), so their first label is not IGNORE by itself.
+        prompt = 0 if n in (21, 5) else n // 3
         out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
     return out
 

@@ -225,7 +225,7 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
             out = step()
-            record["max_err_out"] = float((out.float() - ref_out).abs().max())
+            record["max_err_out"] = float((out.detach().float() - ref_out.detach()).abs().max())
             record["max_err_grad"] = max(
                 float((t.grad.float() - g).abs().max()) for t, g in zip(leaves, ref_grads, strict=True)
             )

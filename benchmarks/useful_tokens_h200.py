@@ -154,7 +154,8 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
     except json.JSONDecodeError:
         plan = {"error": planned.stderr[-2000:]}
     result["plan"] = {
-        k: plan.get(k) for k in ("micro_batch_size", "gradient_checkpointing", "precision", "zero", "per_gpu_gib")
+        k: plan.get(k)
+        for k in ("micro_batch_size", "gradient_checkpointing", "precision", "zero", "fused_loss", "per_gpu_gib")
     }
     result["predicted_peak_gib"] = plan.get("per_gpu_gib")
     started = time.monotonic()
@@ -225,6 +226,8 @@ def measure(events: list[dict], args, config: str, trainer_output: str) -> dict:
     rows = re.search(r"into (\d+) rows of", trainer_output)
     out["data_packing_efficiency"] = float(packed.group(1)) / 100 if packed else None
     out["packed_rows"] = int(rows.group(1)) if rows else None
+    loss = re.search(r"dzctl-train: loss (\S+)", trainer_output)  # the fused loss's line, where the trainer has one
+    out["loss_path"] = loss.group(1) if loss else None
     if end is None:
         out["error"] = next((e.get("reason") for e in events if e["event"] == "error"), "no end event")
         return out
@@ -253,10 +256,10 @@ def measure(events: list[dict], args, config: str, trainer_output: str) -> dict:
 
 def table(results: list[dict]) -> str:
     head = (
-        "| config | attention | micro | useful tok/s/GPU | processed tok/s/GPU | padding eff. | "
+        "| config | attention | loss | micro | useful tok/s/GPU | processed tok/s/GPU | padding eff. | "
         "data packing eff. (rows) | MFU | predicted GiB | measured peak alloc GiB |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['config']} | failed: {r['error']} (launch exit {r.get('launch_exit_code')}) |")
@@ -267,7 +270,8 @@ def table(results: list[dict]) -> str:
         peaks = ", ".join(f"{p:.1f}" for p in r["peak_allocated_gib"]) or "-"
         eff = f"{100 * r['padding_efficiency']:.1f}%" if r["padding_efficiency"] is not None else "-"
         lines.append(
-            f"| {r['config']} | {r['attention']} | {r['plan'].get('micro_batch_size')} | "
+            f"| {r['config']} | {r['attention']} | {r.get('loss_path') or 'plain'} | "
+            f"{r['plan'].get('micro_batch_size')} | "
             f"{r['useful_tokens_per_s_per_gpu']:,.0f} | {r['processed_tokens_per_s_per_gpu']:,.0f} | {eff} | "
             f"{packing} | {100 * r['mfu']:.1f}% | {r['predicted_peak_gib']} | {peaks} |"
         )

@@ -215,3 +215,22 @@ def test_progress_counts_real_tokens_not_padding():
     packed = PackedCollator()([packing.packed_example(examples, [0, 1, 2, 3, 4])])
     assert batch_tokens(packed) == (76, 76, 5)
     assert token_rates(76.0, 160.0) == {"processed_tokens_per_s": 160.0, "padding_efficiency": 0.475}
+
+
+def test_the_chunked_fused_loss_on_a_packed_batch_is_the_per_example_mean():
+    # train.fused_loss (issue 12's other half, orchestrator/train/loss.py) replaces the model's
+    # forward; packed batches must keep their boundaries through it. Runs once both halves are merged.
+    loss = pytest.importorskip("orchestrator.train.loss", reason="train.fused_loss is not on this branch yet")
+    from orchestrator.train import attention
+    from orchestrator.train.collate import PackedCollator
+
+    examples = _examples()
+    alone = [_alone_loss(_tiny_model(), e) for e in examples]
+    counts = [sum(1 for label in e["labels"][1:] if label != -100) for e in examples]
+    weighted = sum(a * n for a, n in zip(alone, counts, strict=True)) / sum(counts)
+    model = _tiny_model(attention.register("sdpa_split")).train()  # the chunked path is the training forward
+    loss.apply_fused_loss(model, "chunked")
+    batch = PackedCollator()([packing.packed_example(examples, [0, 1, 2]), packing.packed_example(examples, [3, 4])])
+    out = model(**batch)
+    assert out.logits is None  # the chunked loss ran: no full logits were built
+    assert float(out.loss) == pytest.approx(weighted, abs=1e-5)

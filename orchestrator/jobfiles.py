@@ -23,6 +23,7 @@ from .dsconfig import Resolved
 from .hostfile import Node
 from .plan import CONTAINER_JOB_DIR, LaunchPlan, NodePlan
 from .spec import LoadedJob, is_secret_name
+from .train.packing import resolve_packing
 
 SECRET_MODE = 0o600  # only the node's user may read secrets (and docker, reading --env-file as root)
 
@@ -66,6 +67,7 @@ def resolved_spec(
         data["zero"]["offload"] = (
             "all" if resolved.offload_param else "optimizer" if resolved.offload_optimizer else "none"
         )
+    data["train"]["packing"] = resolve_packing(job.spec)
     # ds_config.json beside job.yaml is authoritative; the user's file was merged into it.
     data["zero"]["config"] = None
     # Secrets reach the ranks through the env file, never through job.yaml.

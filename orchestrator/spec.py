@@ -78,8 +78,11 @@ class TrainSpec(_Strict):
     output_storage: Literal["auto", "shared", "node-local"] = "auto"
     resume: str = Field("auto", min_length=1)  # auto | never | PATH
     seed: int = 42
+    # Several examples per row of max_seq_len (orchestrator/train/packing.py).
+    # auto: on for GPU jobs, off on CPU and for synthetic:random.
+    packing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
 
-    @field_validator("gradient_checkpointing", mode="before")
+    @field_validator("gradient_checkpointing", "packing", mode="before")
     @classmethod
     def _no_strings_for_bools(cls, value: Any) -> Any:
         # pydantic would take "yes"/"1" as True; a spec should say true/false/auto.

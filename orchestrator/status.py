@@ -173,7 +173,8 @@ def parse_progress(
             "step": last_step.get("step"),
             "max_steps": last_step.get("max_steps"),
             "loss": last_step.get("loss"),
-            "tokens_per_s": last_step.get("tokens_per_s"),
+            "tokens_per_s": last_step.get("tokens_per_s"),  # real (non-pad) tokens, the whole job
+            "padding_efficiency": last_step.get("padding_efficiency"),  # real / processed tokens
             "eta_s": last_step.get("eta_s"),
             "event": last_step.get("event"),
         }

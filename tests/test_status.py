@@ -66,13 +66,24 @@ def test_progress_from_the_last_step_and_the_error_reason():
     ]
     text = "\n".join(json.dumps(x) for x in lines) + '\n{"event": "st'  # a line being written
     progress, age, errors = parse_progress(text, now=121.0)
-    assert progress == {"step": 5, "max_steps": 30, "loss": 2.5, "tokens_per_s": 900.0, "eta_s": 50, "event": "step"}
+    assert progress == {
+        "step": 5, "max_steps": 30, "loss": 2.5, "tokens_per_s": 900.0, "padding_efficiency": None, "eta_s": 50,
+        "event": "step",
+    }  # fmt: skip
     assert age == 10.0
     assert errors == [{"rank": None, "reason": "CUDA out of memory"}]
     # A relaunch into the same output dir: the earlier run's lines are not this job's progress.
     mine = json.dumps({"event": "start", "time": 130.0, "step": 0, "max_steps": 9, "job_id": "j-2"})
     assert parse_progress(text + "\n" + mine, now=131.0, job_id="j-2") == (
-        {"step": 0, "max_steps": 9, "loss": None, "tokens_per_s": None, "eta_s": None, "event": "start"},
+        {
+            "step": 0,
+            "max_steps": 9,
+            "loss": None,
+            "tokens_per_s": None,
+            "padding_efficiency": None,
+            "eta_s": None,
+            "event": "start",
+        },
         1.0,
         [],
     )

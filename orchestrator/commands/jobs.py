@@ -95,7 +95,9 @@ def render_status(status: JobStatus) -> str:
         if progress.get("loss") is not None:
             parts.append(f"loss {progress['loss']:.4f}")
         if progress.get("tokens_per_s") is not None:
-            parts.append(f"tokens/s {progress['tokens_per_s']:,.0f}")
+            parts.append(f"useful tokens/s {progress['tokens_per_s']:,.0f}")
+        if progress.get("padding_efficiency") is not None:
+            parts.append(f"(padding efficiency {100 * progress['padding_efficiency']:.0f}%)")
         parts.append(f"eta {_fmt_s(progress.get('eta_s'))}")
         parts.append(f"last progress {_fmt_s(status.progress_age_s)} ago")
         lines.append("  ".join(parts))

@@ -5,10 +5,13 @@ each event as it happens, and printed to stdout too. Every event has all of
 these keys (``null`` where a value does not apply, e.g. ``gpu_mem_peak_gib`` on
 CPU): ``event`` (start|step|checkpoint|end|error), ``time`` (Unix seconds),
 ``step``, ``max_steps``, ``epoch``, ``loss``, ``learning_rate``, ``tokens_per_s``
-(the whole job: all ranks, padded tokens), ``samples_per_s`` (whole job),
-``gpu_mem_peak_gib`` (this rank's ``max_memory_allocated``), ``eta_s``.
+(the whole job: all ranks, real tokens, padding left out), ``samples_per_s`` (whole
+job, examples), ``gpu_mem_peak_gib`` (this rank's ``max_memory_allocated``), ``eta_s``.
 Extra keys: ``reason`` and ``rank`` on ``error``, ``path`` on ``checkpoint`` and
-``end`` (the consolidated model), ``step_time_s`` on ``step``.
+``end`` (the consolidated model), ``step_time_s`` on ``step``;
+``processed_tokens_per_s`` (every position computed, padding included) and
+``padding_efficiency`` (real / processed) on ``step`` and ``end``; ``packing`` and
+``attention`` (the kernel, e.g. ``dzctl_packed/varlen`` or ``sdpa``) on ``start``.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from transformers import set_seed as hf_set_seed
 from .. import dsconfig
 from ..errors import InputError
 from ..spec import LoadedJob
-from . import checkpoints, data, gang
+from . import attention, checkpoints, data, gang, packing
+from .collate import PackedCollator
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
 
@@ -79,6 +80,7 @@ class Settings:
     gradient_checkpointing: bool
     precision: str
     output_dir: Path
+    packing: bool = False
 
 
 def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | None, output_dir: Path) -> Settings:
@@ -134,6 +136,7 @@ def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | Non
         gradient_checkpointing=resolved.gradient_checkpointing,
         precision=precision,
         output_dir=output_dir,
+        packing=packing.resolve_packing(spec),
     )
 
 
@@ -258,16 +261,33 @@ class Collator:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-class DzTrainer(Trainer):
-    """The HF Trainer, counting the tokens each rank processes for ``tokens_per_s``."""
+def batch_tokens(inputs: dict[str, Any]) -> tuple[int, int, int]:
+    """(real tokens, processed tokens, examples) of one micro-batch.
 
-    tokens_seen = 0
+    Processed: every position the model computes, padding included. Real: the
+    positions the attention mask keeps (all of them in a packed or unpadded batch).
+    Read from the collator's CPU tensors, before the Trainer moves them: no GPU sync.
+    """
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    real = int(mask.sum()) if mask is not None else ids.numel()
+    cu = inputs.get("cu_seq_lens_q")
+    examples = len(cu) - 1 if cu is not None else ids.shape[0]
+    return real, ids.numel(), examples
+
+
+class DzTrainer(Trainer):
+    """The HF Trainer, counting each rank's real and processed tokens for ``tokens_per_s``."""
+
+    tokens_seen = 0  # real (non-pad) tokens
+    processed_seen = 0  # every position computed, padding included
     samples_seen = 0
 
     def training_step(self, model, inputs, *args, **kwargs):
-        ids = inputs["input_ids"]
-        self.tokens_seen += ids.numel()
-        self.samples_seen += ids.shape[0]
+        real, processed, examples = batch_tokens(inputs)
+        self.tokens_seen += real
+        self.processed_seen += processed
+        self.samples_seen += examples
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
@@ -284,14 +304,17 @@ class DzTrainer(Trainer):
 class ProgressCallback(TrainerCallback):
     """Turns Trainer events into ``progress.jsonl`` lines (rank 0) and completes checkpoints (all ranks)."""
 
-    def __init__(self, log: ProgressLog, ranks: Ranks, *, save: bool) -> None:
+    def __init__(self, log: ProgressLog, ranks: Ranks, *, save: bool, start_extra: dict | None = None) -> None:
         self.log, self.ranks, self.save = log, ranks, save
+        self.start_extra = start_extra or {}  # packing and attention kernel, for the start event
         self.trainer: DzTrainer | None = None
         self.step_times: list[float] = []
         self.last_end: float | None = None
         self.tokens_at_last_end = 0
+        self.processed_at_last_end = 0
         self.samples_at_last_end = 0
         self.last_rate: tuple[float, float] | None = None
+        self.last_processed_rate: float | None = None
 
     def _common(self, state) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
@@ -305,7 +328,7 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_end = time.perf_counter()
         if self.ranks.rank == 0:
-            self.log.write("start", **self._common(state), world_size=self.ranks.world_size)
+            self.log.write("start", **self._common(state), world_size=self.ranks.world_size, **self.start_extra)
 
     def on_step_end(self, args, state, control, **kwargs):
         # No cuda.synchronize here: an extra sync a step costs throughput. ZeRO-3's
@@ -318,8 +341,11 @@ class ProgressCallback(TrainerCallback):
             self.step_times.append(elapsed)
             tokens = (trainer.tokens_seen - self.tokens_at_last_end) * self.ranks.world_size
             samples = (trainer.samples_seen - self.samples_at_last_end) * self.ranks.world_size
+            processed = (trainer.processed_seen - self.processed_at_last_end) * self.ranks.world_size
             self.last_rate = (tokens / elapsed, samples / elapsed)
+            self.last_processed_rate = processed / elapsed
             self.tokens_at_last_end, self.samples_at_last_end = trainer.tokens_seen, trainer.samples_seen
+            self.processed_at_last_end = trainer.processed_seen
         self.last_end = now
         if self.save and state.global_step >= state.max_steps:
             # The end always gets a resumable checkpoint, whatever save_steps says.
@@ -343,6 +369,7 @@ class ProgressCallback(TrainerCallback):
             samples_per_s=round(samples_per_s, 3) if samples_per_s else None,
             eta_s=round(eta, 1) if eta is not None else None,
             step_time_s=round(self.step_times[-1], 4) if self.step_times else None,
+            **token_rates(tokens_per_s, self.last_processed_rate),
         )
 
     def on_save(self, args, state, control, **kwargs):
@@ -372,6 +399,15 @@ class ProgressCallback(TrainerCallback):
             torch.distributed.barrier()
 
 
+def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict[str, float | None]:
+    """The extra progress keys beside ``tokens_per_s`` (real tokens): processed tokens and their ratio."""
+    efficiency = real_per_s / processed_per_s if real_per_s and processed_per_s else None
+    return {
+        "processed_tokens_per_s": round(processed_per_s, 1) if processed_per_s else None,
+        "padding_efficiency": round(efficiency, 4) if efficiency is not None else None,
+    }
+
+
 def model_config(loaded: LoadedJob):
     """The architecture: ``model.config`` (random init with ``model_type``) or the named model's, overridden."""
     model_spec = loaded.spec.model
@@ -385,16 +421,17 @@ def model_config(loaded: LoadedJob):
     return config
 
 
-def build_model(loaded: LoadedJob, config, precision: str):
+def build_model(loaded: LoadedJob, config, precision: str, attn_implementation: str | None = None):
     """Random weights for ``model.init: random``, else ``from_pretrained``.
 
     Called after the ``TrainingArguments`` exist, so both paths run under ZeRO-3's
     ``zero.Init`` (weights partitioned as they are created or loaded).
     """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if loaded.spec.model.init == "random":
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(loaded.spec.model.name_or_path, config=config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **attention)
+    return AutoModelForCausalLM.from_pretrained(loaded.spec.model.name_or_path, config=config, dtype=dtype, **attention)
 
 
 def _check_vocab(config, tokenizer_size: int, loaded: LoadedJob) -> None:
@@ -410,6 +447,8 @@ def _check_vocab(config, tokenizer_size: int, loaded: LoadedJob) -> None:
 def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
     spec = loaded.spec
     if spec.data.path == data.SYNTHETIC:
+        if settings.packing and ranks.rank == 0:
+            print("dzctl-train: packing does not apply to synthetic:random (its rows are full)", flush=True)
         steps = spec.train.max_steps if spec.train.max_steps > 0 else 100
         rows = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
         return SyntheticDataset(rows, spec.train.max_seq_len, vocab_size, spec.train.seed)
@@ -427,7 +466,19 @@ def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks,
         )
     if not encoded.examples:
         raise data.DataError(f"{path}: no example keeps a response within train.max_seq_len {spec.train.max_seq_len}")
-    return ListDataset(encoded.examples)
+    if not settings.packing:
+        return ListDataset(encoded.examples)
+    # Every rank packs the same examples with the same seed: identical rows everywhere,
+    # and again on resume, so the Trainer's sampler and its skip of consumed batches agree.
+    rows, stats = packing.pack_examples(encoded.examples, spec.train.max_seq_len, spec.train.seed)
+    if ranks.rank == 0:
+        print(
+            f"dzctl-train: data packed: {stats.examples} examples into {stats.rows} rows of "
+            f"{spec.train.max_seq_len} tokens, packing efficiency {stats.efficiency:.1%} "
+            f"({stats.tokens} real tokens / {stats.capacity} capacity)",
+            flush=True,
+        )
+    return ListDataset(rows)
 
 
 def expected_shapes(model) -> dict[str, list[int]]:
@@ -489,13 +540,18 @@ def train(
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
-    model = build_model(loaded, config, settings.precision)
-    callback = ProgressCallback(log, ranks, save=save)
+    packed = settings.packing and spec.data.path != data.SYNTHETIC
+    kernel = attention.choose_kernel() if packed else None
+    model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
+    used = f"{attention.NAME}/{kernel}" if kernel else str(model.config._attn_implementation)
+    if ranks.rank == 0:
+        print(f"dzctl-train: packing {packed}, attention {used}", flush=True)
+    callback = ProgressCallback(log, ranks, save=save, start_extra={"packing": packed, "attention": used})
     trainer = DzTrainer(
         model=model,
         args=args,
         train_dataset=dataset,
-        data_collator=Collator(tokenizer.pad_token_id),
+        data_collator=PackedCollator() if packed else Collator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=[callback],
     )
@@ -521,6 +577,10 @@ def train(
             loss=finite(getattr(result, "training_loss", None)),
             learning_rate=None,
             tokens_per_s=round(trainer.tokens_seen * ranks.world_size / sum(step_times), 1) if mean else None,
+            **token_rates(
+                trainer.tokens_seen * ranks.world_size / sum(step_times) if mean else None,
+                trainer.processed_seen * ranks.world_size / sum(step_times) if mean else None,
+            ),
             samples_per_s=round(trainer.samples_seen * ranks.world_size / sum(step_times), 3) if mean else None,
             gpu_mem_peak_gib=callback._common(state)["gpu_mem_peak_gib"],
             eta_s=0.0,

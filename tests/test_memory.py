@@ -34,7 +34,7 @@ from orchestrator.spec import load_job
 REPO = Path(__file__).resolve().parent.parent
 QWEN3_8B = shape_from_config(CATALOGUE["Qwen/Qwen3-8B"], name="Qwen/Qwen3-8B", source="catalogue")
 QWEN25_72B = shape_from_config(CATALOGUE["Qwen/Qwen2.5-72B"], name="Qwen/Qwen2.5-72B", source="catalogue")
-H200_GIB = 143771 / 1024  # nvidia-smi memory.total on the measured machine (fixtures/h200x2/query-gpu.csv)
+H200_GIB = 143771 / 1024  # nvidia-smi memory.total on the measured machine (tests/fixtures/h200x2/query-gpu.csv)
 
 # DESIGN §5: peak torch.cuda.max_memory_allocated per GPU, 2×H200, Qwen3-8B shape, seq 4096,
 # ZeRO-3, torch 2.11, DeepSpeed 0.19.8, raw engine. (micro, checkpointing, offload, precision, GiB)

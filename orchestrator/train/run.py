@@ -187,7 +187,9 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
         save_strategy="steps" if save else "no",
         save_steps=train.save_steps,
-        save_total_limit=train.save_total_limit,
+        # Not the Trainer's: it rotates before dzctl's marker exists. ProgressCallback rotates
+        # (train.save_total_limit) once the new checkpoint is marked complete; see checkpoints.rotate.
+        save_total_limit=None,
         # Node-local output disks: every node writes the trainer state, RNG and
         # config its ranks need to resume (HF), alongside its ZeRO shards.
         save_on_each_node=train.output_storage == "node-local",
@@ -284,8 +286,9 @@ class DzTrainer(Trainer):
 class ProgressCallback(TrainerCallback):
     """Turns Trainer events into ``progress.jsonl`` lines (rank 0) and completes checkpoints (all ranks)."""
 
-    def __init__(self, log: ProgressLog, ranks: Ranks, *, save: bool) -> None:
+    def __init__(self, log: ProgressLog, ranks: Ranks, *, save: bool, keep: int | None = None) -> None:
         self.log, self.ranks, self.save = log, ranks, save
+        self.keep = keep  # train.save_total_limit: complete checkpoints kept (None: all)
         self.trainer: DzTrainer | None = None
         self.step_times: list[float] = []
         self.last_end: float | None = None
@@ -370,6 +373,10 @@ class ProgressCallback(TrainerCallback):
             self.log.write("checkpoint", **self._common(state), path=str(path))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+        # Every node has marked it now: only then may older ones go (by the rank that marks this folder).
+        marks = self.ranks.local_rank == 0 if self.ranks.node_local else self.ranks.rank == 0
+        if self.keep and marks and checkpoints.inspect(path).complete:
+            checkpoints.rotate(path.parent, self.keep)
 
 
 def model_config(loaded: LoadedJob):
@@ -490,7 +497,7 @@ def train(
     resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     model = build_model(loaded, config, settings.precision)
-    callback = ProgressCallback(log, ranks, save=save)
+    callback = ProgressCallback(log, ranks, save=save, keep=spec.train.save_total_limit)
     trainer = DzTrainer(
         model=model,
         args=args,

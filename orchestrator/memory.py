@@ -50,7 +50,8 @@ Offload = Literal["none", "optimizer", "all"]
 # PyTorch's caching allocator holds more than it hands out (fragmentation from the
 # changing tensor sizes of the loss and the gathers). In the measured runs that fit,
 # reserved exceeded peak allocated by 5–20 % (115.4 vs 95.8 GiB at micro-batch 4: an outside
-# raw-engine figure, design notes §5, loop not in this repo); require that much headroom on top of the predicted peak. The trainer
+# raw-engine figure, design notes §5, loop not in this repo); require that much headroom
+# on top of the predicted peak. The trainer
 # turns on expandable segments (train/environment.py), which cut that to 13 % at
 # micro-batch 6 (127.2 vs 112.2 GiB; 137.9 without them); the margin is kept for jobs
 # run with another allocator setting.

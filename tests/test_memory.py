@@ -98,7 +98,8 @@ def test_estimate_terms_follow_the_zero3_arithmetic():
 
 
 def test_step_grows_with_micro_batch_like_the_measurements():
-    # Outside figures (raw engine, design notes §5): 79.4 → 95.8 GiB from micro 2 to 4, i.e. 8.2 GiB per sample of 4096 tokens.
+    # Outside figures (raw engine, design notes §5): 79.4 → 95.8 GiB from micro 2 to 4,
+    # i.e. 8.2 GiB per sample of 4096 tokens.
     two, four = (
         estimate(QWEN3_8B, Choice(m, True, "none"), seq_len=4096, precision="bf16", world_size=2).gpu_peak
         for m in (2, 4)
@@ -213,7 +214,8 @@ def test_qwen3_8b_on_one_h200_pair_chooses_no_offload_micro_6():
     # micro 7 would not: it is among the candidates and was refused for GPU memory.
     refused = {c: why for c, ok, why in plan.candidates if not ok}
     assert refused[Choice(7, True, "none")].startswith("GPU: needs")
-    # Checkpointing off fits only at micro 1, which the throughput model ranks lower (4,050 vs 6,511 tok/s: outside raw-engine figures).
+    # Checkpointing off fits only at micro 1, which the throughput model ranks lower
+    # (4,050 vs 6,511 tok/s: outside raw-engine figures).
     assert any(c == Choice(1, False, "none") and ok for c, ok, _ in plan.candidates)
 
 

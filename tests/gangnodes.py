@@ -65,6 +65,7 @@ class Gang:
 
     num_nodes: int = 2
     bad_check: tuple[int, ...] = ()
+    late: tuple[int, ...] = ()  # nodes not started on entry: start_node() them later
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __enter__(self) -> Gang:
@@ -75,10 +76,14 @@ class Gang:
         self.env = env
         self.procs["store"] = self._spawn(["store", str(self.port)], "ready")
         for node in range(self.num_nodes):
-            argv = ["watch", str(self.port), str(node), str(self.num_nodes)]
-            self.procs[f"node{node}"] = self._spawn(argv + (["--bad-check"] if node in self.bad_check else []))
+            if node not in self.late:
+                self.start_node(node)
         self.wait_beating()
         return self
+
+    def start_node(self, node: int) -> None:
+        argv = ["watch", str(self.port), str(node), str(self.num_nodes)]
+        self.procs[f"node{node}"] = self._spawn(argv + (["--bad-check"] if node in self.bad_check else []))
 
     def __exit__(self, *exc) -> None:
         for proc in self.procs.values():
@@ -104,10 +109,13 @@ class Gang:
         probe = TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(probe.add(f"dzctl/gang/{JOB}/hb/{n}", 0) > 0 for n in range(self.num_nodes)):
+            if all(probe.add(f"dzctl/gang/{JOB}/hb/{n}", 0) > 0 for n in self.started()):
                 return
             time.sleep(0.5)
         raise RuntimeError("the watchers never beat")
+
+    def started(self) -> list[int]:
+        return [n for n in range(self.num_nodes) if f"node{n}" in self.procs]
 
     def exit_of(self, name: str, timeout: float) -> tuple[int | None, float, str]:
         """(exit code or None if still running, seconds waited, stderr so far) of one process."""

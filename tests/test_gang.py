@@ -40,6 +40,17 @@ def test_a_silent_node_stops_the_others():
     assert waited >= gang.STALE_S - gang.HEARTBEAT_S, waited
 
 
+def test_a_node_that_starts_late_is_not_a_silent_one():
+    # Nodes reach their watchdog at different times (one reads its data more slowly):
+    # a counter never bumped is a node still starting, given 8 × STALE_S, not one gone quiet.
+    with Gang(late=(1,)) as nodes:
+        code, _, stderr = nodes.exit_of("node0", timeout=gang.STALE_S + 3 * gang.HEARTBEAT_S)
+        assert code is None, f"node 0 stopped while node 1 was still starting: exit {code}: {stderr}"
+        nodes.start_node(1)
+        nodes.wait_beating()
+        assert nodes.procs["node0"].poll() is None
+
+
 def test_a_bug_in_the_watchdog_is_not_a_lost_store():
     with Gang(bad_check=(1,)) as nodes:
         code, _, stderr = nodes.exit_of("node1", timeout=BOUND_S)

@@ -103,9 +103,11 @@ class Watchdog:
             current = self.store.add(f"{self.prefix}/hb/{node}", 0)
             if current != count:
                 seen[node] = (current, now)
-            elif count >= 0 and now - since > STALE_S:
+            # A counter at 0 has never been bumped (add on a missing key reads 0): that node has
+            # not reached its watchdog yet (slower data loading, say), which is not silence.
+            elif count > 0 and now - since > STALE_S:
                 self._abort(f"node {node} stopped answering for {now - since:.0f} s (killed or lost)")
-            elif count < 0 and now - since > STALE_S * 8:
+            elif count <= 0 and now - since > STALE_S * 8:
                 # A node that never beat: it died while loading (the others waited in a collective).
                 self._abort(f"node {node} never started its heartbeat")
 

@@ -82,14 +82,21 @@ class Watchdog:
                     if now - store_lost_since > STALE_S:
                         self._abort(f"lost the rendezvous store on the master node ({type(exc).__name__}: {exc})")
         except Exception as exc:
-            # A bug in this file, not a failed node: say so plainly and leave the job running, unwatched.
+            # A bug in this file, not a failed node: say so plainly and leave the job running. This
+            # node stops watching but keeps beating, or the others would take its silence for a loss.
             print(
                 f"dzctl gang: node {self.node_rank}: the watchdog itself failed ({type(exc).__name__}: {exc}); "
-                "this node no longer watches the others (a bug in dzctl: please report it)",
+                "this node no longer watches the others, only heartbeats (a bug in dzctl: please report it)",
                 file=sys.stderr,
                 flush=True,
             )
             traceback.print_exc()
+            self._heartbeat_only()
+
+    def _heartbeat_only(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(*STORE_ERRORS):
+                self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
 
     def _check_once(self, seen: dict[int, tuple[int, float]], done: set[int], now: float) -> None:
         self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)

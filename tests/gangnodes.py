@@ -74,11 +74,15 @@ class Gang:
         for name in ("DZCTL_NUM_NODES", "TORCHELASTIC_RUN_ID"):  # end_node: only this process ends
             env.pop(name, None)
         self.env = env
-        self.procs["store"] = self._spawn(["store", str(self.port)], "ready")
-        for node in range(self.num_nodes):
-            if node not in self.late:
-                self.start_node(node)
-        self.wait_beating()
+        try:
+            self.procs["store"] = self._spawn(["store", str(self.port)], "ready")
+            for node in range(self.num_nodes):
+                if node not in self.late:
+                    self.start_node(node)
+            self.wait_beating()
+        except BaseException:
+            self.__exit__()  # `with` calls __exit__ only once __enter__ has returned: end what started
+            raise
         return self
 
     def start_node(self, node: int) -> None:

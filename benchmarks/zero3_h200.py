@@ -13,8 +13,10 @@ length 4096 (issue 7; measured on ``nvidia-h200-x2``):
 Data is ``data.path: synthetic:random`` (random token ids of full length, loss on
 every token): throughput, not learning. Each run goes through the real entry point
 under ``torchrun`` with ``--no-save``, reads the ``end`` event of ``progress.jsonl``
-(per-step times measured with ``cuda.synchronize``; peak memory of every rank) and
-reports the median step after the warm-up steps.
+(per-step times: wall time from one step's end to the next, taken without a
+``cuda.synchronize``, see ProgressCallback.on_step_end in orchestrator/train/run.py:
+ZeRO-3's step waits for its reductions, so in steady state that is the step's time;
+peak memory of every rank) and reports the median step after the warm-up steps.
 
 FLOPs per token = 6 × (parameters − input embedding) + 12 × layers × heads × head_dim × seq
 (the issue's formula: dense matmuls forward+backward, plus causal attention scores).

@@ -18,11 +18,12 @@ is returned as data (``DistributeResult``); nothing is raised for a partial fail
 
 Wire codecs (``codec=``): ``none``; ``gzip`` (``docker load`` reads gzip itself, so nodes need no
 extra tool); ``zstd`` (nodes need the ``zstd`` binary; checked first, else gzip). ``auto`` picks
-zstd when every needing node has it, else gzip: the SSH layer (paramiko) moved ~30 MB/s per
-connection on these 2-core machines, so shrinking the stream ~3x beats the CPU the codec costs.
-Measured here, 474 MB image to 3 hosts: none 79 s, gzip 76 s, zstd 54 s; the 1.65 GB CPU image
-went to 3 hosts in 177 s against 293 s for three parallel `docker save | ssh docker load` pipes
-(benchmarks/distribute.py, benchmarks/results/distribute.json).
+zstd when every needing node has it, else gzip: the SSH layer (paramiko) is slow per
+connection on small machines, so shrinking the stream beats the CPU the codec costs.
+Measured here: the 1.65 GB CPU image went to 3 hosts in 177 s (zstd, 527 MB on the wire)
+against 293 s for three parallel `docker save | ssh docker load` pipes
+(benchmarks/distribute.py, benchmarks/results/distribute.json; one run each, on a 2-core
+machine shared with other test sessions).
 """
 
 from __future__ import annotations

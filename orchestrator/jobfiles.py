@@ -25,6 +25,9 @@ from .plan import CONTAINER_JOB_DIR, LaunchPlan, NodePlan
 from .spec import LoadedJob, is_secret_name
 from .train.packing import resolve_packing
 
+# The trainer's benchmark source (orchestrator/train/data.py SYNTHETIC, which the controller
+# does not import): random full-length rows made on the nodes, so there is no file to ship.
+SYNTHETIC_DATA = "synthetic:random"
 SECRET_MODE = 0o600  # only the node's user may read secrets (and docker, reading --env-file as root)
 
 
@@ -36,8 +39,8 @@ class JobFile:
 
 
 def shipped_data(job: LoadedJob) -> Path | None:
-    """The local data file to ship with the job, or None if data.path lives on the nodes."""
-    if Path(job.spec.data.path).is_absolute():
+    """The local data file to ship with the job, or None if data.path lives on the nodes (or is synthetic)."""
+    if job.spec.data.path == SYNTHETIC_DATA or Path(job.spec.data.path).is_absolute():
         return None
     return job.resolve_local(job.spec.data.path)
 

@@ -84,12 +84,7 @@ def refuse_or_replace_running(job: LoadedJob, store: JobStore, pool: HostPool, *
 
 
 def upload(job: LoadedJob, plan: LaunchPlan, files: dict[int, list[JobFile]], pool: HostPool) -> None:
-    data_file = shipped_data(job)
-    if data_file is not None and not data_file.is_file():
-        raise InputError(
-            f"{job.where('data.path')}: data.path: {data_file} is not a file",
-            fix="give a file next to the job file, or an absolute path that exists on every node",
-        )
+    data_file = shipped_data(job)  # checked before any host was touched (localcheck.check_data_file)
 
     def one(conn) -> None:
         node = next(n for n in plan.nodes if n.host == conn.host)

@@ -49,8 +49,9 @@ Offload = Literal["none", "optimizer", "all"]
 
 # PyTorch's caching allocator holds more than it hands out (fragmentation from the
 # changing tensor sizes of the loss and the gathers). In the measured runs that fit,
-# reserved exceeded peak allocated by 5–20 % (DESIGN §5: 115.4 vs 95.8 GiB at
-# micro-batch 4); require that much headroom on top of the predicted peak. The trainer
+# reserved exceeded peak allocated by 5–20 % (115.4 vs 95.8 GiB at micro-batch 4: an outside
+# raw-engine figure, design notes §5, loop not in this repo); require that much headroom
+# on top of the predicted peak. The trainer
 # turns on expandable segments (train/environment.py), which cut that to 13 % at
 # micro-batch 6 (127.2 vs 112.2 GiB; 137.9 without them); the margin is kept for jobs
 # run with another allocator setting.
@@ -78,8 +79,9 @@ AUTO_MICRO_BATCHES = tuple(range(1, 65))
 # tokens/s): time per token ∝ k + C / T, with k = 4/3 under gradient checkpointing
 # (the forward is run twice: 4 passes of work instead of 3) and C the fixed cost of
 # each micro-step, mostly ZeRO-3's two all-gathers and one reduce-scatter of all
-# parameters, which do not grow with the micro-batch. From DESIGN §5 (checkpointing
-# on: 5,806 tokens/s at micro 2, 6,511 at micro 4, seq 4096):
+# parameters, which do not grow with the micro-batch. From the outside raw-engine figures
+# (design notes §5, loop not in this repo; checkpointing on: 5,806 tokens/s at micro 2,
+# 6,511 at micro 4, seq 4096):
 # (4/3 + C/8192) / (4/3 + C/16384) = 6511/5806 gives C ≈ 3,000 tokens.
 # Checked later through the trainer: micro 5 and 6 ran 1.020× and 1.044× micro 4's
 # throughput, where this model says 1.025× and 1.042×.

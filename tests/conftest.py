@@ -3,7 +3,10 @@
 Test hosts (tests/testhosts.py) need root, sshd and (for docker hosts) dockerd.
 Where they are missing, tests that ask for them are skipped with the reason,
 unless DZCTL_REQUIRE_INTEGRATION=1 (set by CI), which turns the skip into a
-failure so CI can never pass by skipping them.
+failure so CI can never pass by skipping them. Under that variable *every* skip
+fails (pytest_runtest_makereport below): a skipif on a missing tool, an
+importorskip, a skip inside a test. CI has everything installed, so a skip there
+is coverage silently lost.
 """
 
 from __future__ import annotations
@@ -12,6 +15,41 @@ import os
 
 import pytest
 from testhosts import TestCluster, missing_requirements
+
+REQUIRE_ALL = "DZCTL_REQUIRE_INTEGRATION"
+
+
+def _skips_fail() -> bool:
+    return os.environ.get(REQUIRE_ALL) == "1"
+
+
+def _as_failure(report, reason: str) -> None:
+    report.outcome = "failed"
+    report.longrepr = f"skipped, but {REQUIRE_ALL}=1 allows no skip: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    # xfail reports also read as skipped; they carry wasxfail and are left alone.
+    if _skips_fail() and report.skipped and not hasattr(report, "wasxfail"):
+        _as_failure(report, _skip_reason(report))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if _skips_fail() and report.skipped:  # a module-level skip or importorskip
+        _as_failure(report, _skip_reason(report))
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (file, line, "Skipped: reason")
+        return f"{longrepr[0]}:{longrepr[1]}: {longrepr[2]}"
+    return str(longrepr)
 
 
 def require_test_hosts(docker: bool = False) -> None:

@@ -151,7 +151,8 @@ def test_disk_full_at_checkpoint_fails_clearly_and_the_previous_checkpoint_resum
     assert [(c.step, c.complete) for c in found] == [(2, True)], found
     chosen = checkpoints.choose_resume("auto", output, 2)
     assert chosen is not None and chosen.path == output / "checkpoint-2"
-    assert json.loads((chosen.path / checkpoints.MARKER).read_text(encoding="utf-8")) == {"world_size": 2, "step": 2}
+    marker = json.loads((chosen.path / checkpoints.MARKER).read_text(encoding="utf-8"))
+    assert (marker["world_size"], marker["step"]) == (2, 2) and marker["files"] == checkpoints.manifest(chosen.path)
     # The scenario is the one meant: one checkpoint fits the disk, two do not.
     size = sum(p.stat().st_size for p in chosen.path.rglob("*") if p.is_file())
     assert size < SMALL < 2 * size, size

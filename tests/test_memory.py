@@ -34,10 +34,12 @@ from orchestrator.spec import load_job
 REPO = Path(__file__).resolve().parent.parent
 QWEN3_8B = shape_from_config(CATALOGUE["Qwen/Qwen3-8B"], name="Qwen/Qwen3-8B", source="catalogue")
 QWEN25_72B = shape_from_config(CATALOGUE["Qwen/Qwen2.5-72B"], name="Qwen/Qwen2.5-72B", source="catalogue")
-H200_GIB = 143771 / 1024  # nvidia-smi memory.total on the measured machine (fixtures/h200x2/query-gpu.csv)
+H200_GIB = 143771 / 1024  # nvidia-smi memory.total on the measured machine (tests/fixtures/h200x2/query-gpu.csv)
 
-# DESIGN §5: peak torch.cuda.max_memory_allocated per GPU, 2×H200, Qwen3-8B shape, seq 4096,
-# ZeRO-3, torch 2.11, DeepSpeed 0.19.8, raw engine. (micro, checkpointing, offload, precision, GiB)
+# Outside figures (the first four): peak torch.cuda.max_memory_allocated per GPU, 2×H200, Qwen3-8B
+# shape, seq 4096, ZeRO-3, torch 2.11, DeepSpeed 0.19.8, measured by the CEO session on 2026-11-30
+# with a raw DeepSpeed-engine loop that is not in this repo (design notes §5); dzctl's trainer
+# measured 95.8 and 18.5 again (benchmarks/results/h200x2-20261130). (micro, ckpt, offload, precision, GiB)
 MEASURED = [
     (2, True, "none", "bf16", 79.4),
     (4, True, "none", "bf16", 95.8),
@@ -96,7 +98,8 @@ def test_estimate_terms_follow_the_zero3_arithmetic():
 
 
 def test_step_grows_with_micro_batch_like_the_measurements():
-    # Measured: 79.4 → 95.8 GiB from micro 2 to 4, i.e. 8.2 GiB per sample of 4096 tokens.
+    # Outside figures (raw engine, design notes §5): 79.4 → 95.8 GiB from micro 2 to 4,
+    # i.e. 8.2 GiB per sample of 4096 tokens.
     two, four = (
         estimate(QWEN3_8B, Choice(m, True, "none"), seq_len=4096, precision="bf16", world_size=2).gpu_peak
         for m in (2, 4)
@@ -211,7 +214,8 @@ def test_qwen3_8b_on_one_h200_pair_chooses_no_offload_micro_6():
     # micro 7 would not: it is among the candidates and was refused for GPU memory.
     refused = {c: why for c, ok, why in plan.candidates if not ok}
     assert refused[Choice(7, True, "none")].startswith("GPU: needs")
-    # Checkpointing off fits only at micro 1, which the throughput model ranks lower (4,050 vs 6,511 tok/s measured).
+    # Checkpointing off fits only at micro 1, which the throughput model ranks lower
+    # (4,050 vs 6,511 tok/s: outside raw-engine figures).
     assert any(c == Choice(1, False, "none") and ok for c, ok, _ in plan.candidates)
 
 

@@ -1,6 +1,6 @@
 """Preflight's pure parts: parsers against real recorded outputs, and the verdicts built on them.
 
-nvidia-smi outputs are real, recorded on two H200s (../shared/fixtures/h200x2, see
+nvidia-smi outputs are real, recorded on two H200s (tests/fixtures/h200x2, see
 its README). That machine had no Docker or NVIDIA Container Toolkit, so the
 ``docker info`` and ``nvidia-ctk`` samples below follow the documented formats
 (Docker Engine API SystemInfo as printed by ``docker info --format '{{json .}}'``;
@@ -32,9 +32,8 @@ from orchestrator.preflight.model import Check, HostReport, PreflightReport
 from orchestrator.preflight.runner import choose_master, same_everywhere
 from orchestrator.spec import JobSpec
 
-FIXTURES = Path(os.environ.get("DZCTL_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
-H200 = FIXTURES / "h200x2"
-needs_fixtures = pytest.mark.skipif(not H200.exists(), reason=f"recorded outputs not found at {H200}")
+# Committed with the tests: a checkout without them is broken, so the tests fail rather than skip.
+H200 = Path(__file__).resolve().parent / "fixtures" / "h200x2"
 
 
 def _spec(**over) -> JobSpec:
@@ -49,7 +48,6 @@ def _ctx(spec: JobSpec, slots=(0, 1), n_nodes=2) -> Context:
 
 
 # -- nvidia-smi (real recordings) -------------------------------------------------
-@needs_fixtures
 def test_gpu_query_of_two_h200():
     gpus = p.parse_gpu_query((H200 / "query-gpu.csv").read_text())
     assert [g.index for g in gpus] == [0, 1]
@@ -62,7 +60,6 @@ def test_gpu_query_of_two_h200():
     assert len(gpus) == len((H200 / "nvidia-smi-L.txt").read_text().strip().splitlines())
 
 
-@needs_fixtures
 def test_smi_header_agrees_with_the_xml_report():
     driver, cuda = p.parse_smi_header((H200 / "nvidia-smi.txt").read_text())
     root = ET.parse(H200 / "nvidia-smi-q.xml").getroot()
@@ -70,7 +67,6 @@ def test_smi_header_agrees_with_the_xml_report():
     assert (driver, cuda) == ("580.159.04", "13.0")
 
 
-@needs_fixtures
 def test_inventory_verdicts_on_the_recorded_gpus():
     gpus = p.parse_gpu_query((H200 / "query-gpu.csv").read_text())
     good = gpu_inventory_check(gpus, (0, 1), "13.0")
@@ -86,7 +82,6 @@ def test_inventory_verdicts_on_the_recorded_gpus():
     assert gpu_inventory_check([], (0,), None).status == "fail"
 
 
-@needs_fixtures
 def test_check_gpus_records_memory_and_compute_capability(tmp_path, monkeypatch):
     """check_gpus through a real local connection, with the recorded nvidia-smi standing in for the tool."""
     from orchestrator.preflight.checks import check_gpus
@@ -125,7 +120,6 @@ def test_gpu_query_rejects_other_shapes():
         p.parse_smi_header("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
 
 
-@needs_fixtures
 def test_infiniband_from_the_recorded_machine():
     # misc.txt: `ls /dev/infiniband` printed only rdma_cm, no uverbs devices: no usable IB.
     text = (H200 / "misc.txt").read_text()
@@ -138,7 +132,6 @@ def test_infiniband_from_the_recorded_machine():
     assert infiniband_check(["uverbs0"], _ctx(_spec(runtime="process"))).status == "ok"
 
 
-@needs_fixtures
 def test_limits_from_the_recorded_machine():
     # misc.txt: /dev/shm 256G tmpfs, ulimit -l unlimited.
     ctx = _ctx(_spec())

@@ -98,9 +98,13 @@ def plan_for(job_path: Path, overrides: tuple[str, ...] = ()):
 
 
 def _main():
+    import click
+
     from orchestrator.cli import main
 
-    assert "launch" in main.commands, "dzctl launch is not registered"
+    # Commands load on first use: ask the group (which imports the module), not main.commands,
+    # which stays empty until some earlier test happened to run a command.
+    assert main.get_command(click.Context(main), "launch") is not None, "dzctl launch is not registered"
     return main
 
 

@@ -192,3 +192,82 @@ def test_nodes_agree_on_the_newest_step_they_all_hold(tmp_path):
     with pytest.raises(CheckpointError, match="disagree"):
         checkpoints.agree_on_resume(mine, [8, None], tmp_path, "n0")
     assert checkpoints.agree_on_resume(None, [None, None], tmp_path, "n0") is None
+
+
+# -- the manifest: sizes, not names alone (issue 13, item 6) ---------------------------------------
+def test_marker_lists_every_file_with_its_size(tmp_path):
+    path = make_checkpoint(tmp_path, 10, 2)
+    marker = json.loads((path / checkpoints.MARKER).read_text())
+    assert marker["files"] == {
+        "global_step10/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": 1,
+        "global_step10/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
+        "global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt": 1,
+        "global_step10/zero_pp_rank_1_mp_rank_00_model_states.pt": 1,
+        "latest": len("global_step10"),
+        "trainer_state.json": len(json.dumps({"global_step": 10})),
+    }
+
+
+def test_a_truncated_shard_makes_the_checkpoint_incomplete(tmp_path):
+    make_checkpoint(tmp_path, 10, 2)
+    newest = make_checkpoint(tmp_path, 20, 2)
+    shard = newest / "global_step20" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    shard.write_bytes(b"")  # every name is still there: only the size tells
+    found = checkpoints.inspect(newest)
+    assert not found.complete
+    assert found.problem == (
+        "global_step20/zero_pp_rank_1_mp_rank_00_model_states.pt is 0 bytes, dzctl-complete.json says 1: "
+        "cut short or changed after the save"
+    )
+    assert checkpoints.choose_resume("auto", tmp_path, 2).step == 10
+
+
+def test_a_file_of_the_manifest_gone_makes_the_checkpoint_incomplete(tmp_path):
+    path = make_checkpoint(tmp_path, 10, 2)
+    (path / "trainer_state.json").unlink()
+    (path / "trainer_state.json").write_text("{}")  # rewritten, other size
+    assert "trainer_state.json is 2 bytes" in checkpoints.inspect(path).problem
+    (path / "latest").rename(path / "latest.old")
+    assert not checkpoints.inspect(path).complete
+
+
+# -- rotation: after the successor is complete, never before --------------------------------------
+def test_rotate_keeps_the_newest_complete_ones(tmp_path):
+    for step in (10, 20, 30):
+        make_checkpoint(tmp_path, step, 2)
+    removed = checkpoints.rotate(tmp_path, 1)
+    assert [p.name for p in removed] == ["checkpoint-10", "checkpoint-20"]
+    assert [(c.step, c.complete) for c in checkpoints.list_checkpoints(tmp_path)] == [(30, True)]
+
+
+def test_rotate_keeps_the_last_complete_while_the_newest_is_unmarked(tmp_path):
+    make_checkpoint(tmp_path, 10, 2)
+    make_checkpoint(tmp_path, 20, 2, marker=False)  # written, not yet marked: a save in progress or cut short
+    assert checkpoints.rotate(tmp_path, 1) == []
+    assert [(c.step, c.complete) for c in checkpoints.list_checkpoints(tmp_path)] == [(10, True), (20, False)]
+
+
+def test_rotate_clears_unmarked_ones_older_than_what_it_keeps(tmp_path):
+    make_checkpoint(tmp_path, 10, 2, marker=False)  # a crash long ago
+    make_checkpoint(tmp_path, 20, 2)
+    make_checkpoint(tmp_path, 30, 2)
+    removed = checkpoints.rotate(tmp_path, 2)
+    assert [p.name for p in removed] == ["checkpoint-10"]
+    assert [c.step for c in checkpoints.list_checkpoints(tmp_path)] == [20, 30]
+
+
+def test_marker_and_folder_are_synced(tmp_path, monkeypatch):
+    import os
+
+    path = make_checkpoint(tmp_path, 10, 2, marker=False)
+    synced = []
+    real_fsync = os.fsync
+
+    def watching_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watching_fsync)
+    checkpoints.write_marker(path, 2, 10)
+    assert str(path / "global_step10" / "zero_pp_rank_0_mp_rank_00_model_states.pt") in synced  # the shards first
+    assert synced[-2:] == [str(path / (checkpoints.MARKER + ".tmp")), str(path)]  # the marker, then its folder

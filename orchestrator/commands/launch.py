@@ -16,6 +16,7 @@ from ..errors import RuntimeFailure, SpecError
 from ..hostfile import Node
 from ..jobfiles import job_files, resolved_spec, secret_env
 from ..launch import Phases, probe_output_storage, start_job
+from ..localcheck import check_local_inputs
 from ..memory import nodes_description, plan_for_job, require_fit
 from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
 from ..plan import LaunchPlan, make_plan, shell_line
@@ -87,6 +88,8 @@ def launch_command(
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     secrets = secret_env(job, env_file_values(job))
     job_id = new_job_id(job.spec.name)
+    if not dry_run:
+        check_local_inputs(job)  # input errors exit 2 here: no host touched, no job recorded
     if dry_run:
         plan = make_plan(job.spec, nodes, job_id, secret_names=tuple(secrets))
         click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))

@@ -1,6 +1,6 @@
 """Pure parsers of what the nodes' tools print. No I/O here: tested against recorded outputs.
 
-nvidia-smi formats are tested against real outputs from two H200s (fixtures/h200x2).
+nvidia-smi formats are tested against real outputs from two H200s (tests/fixtures/h200x2).
 ``docker info`` and ``nvidia-ctk`` had no GPU machine to be recorded on: their parsers
 follow the documented formats (``docker info --format '{{json .}}'``, the Docker Engine
 API's SystemInfo object; ``nvidia-ctk --version``'s "NVIDIA Container Toolkit CLI

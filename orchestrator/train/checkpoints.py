@@ -5,8 +5,16 @@ A Trainer checkpoint under ZeRO-3 is ``<output_dir>/checkpoint-<step>/`` holding
 ``global_step<step>/`` with, per data-parallel rank R,
 ``zero_pp_rank_R_mp_rank_00_model_states.pt`` and
 ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``. After every rank has
-written its part the trainer writes ``dzctl-complete.json`` (world size, step):
-a checkpoint cut short by a crash lacks it, or lacks shards, and is never resumed.
+written its part the trainer writes ``dzctl-complete.json`` (world size, step,
+and a manifest: every file of the folder with its size), after syncing those
+files, then the marker and the folder, to disk. A checkpoint cut short by a
+crash lacks the marker, or a file of its manifest, or has one of another size
+(a truncated shard), and is never resumed.
+
+Rotation (``train.save_total_limit``) is dzctl's, not the HF Trainer's: the
+Trainer deletes older checkpoints at the end of its own save, before dzctl's
+marker exists, so a failure in between would leave nothing complete. ``rotate``
+runs only once every node has marked the new checkpoint complete.
 """
 
 from __future__ import annotations
@@ -82,6 +90,11 @@ def inspect(path: Path) -> Checkpoint:
             return Checkpoint(path, step, None, f"{MARKER} unreadable")
     else:
         return Checkpoint(path, step, None, f"{MARKER} missing: the save did not finish on every rank")
+    # Names alone miss a shard cut short (a crash, a full disk, a half-finished copy): sizes catch it.
+    # A marker without a manifest (written before dzctl kept one) is judged by names only.
+    problem = _manifest_problem(path, content.get("files"))
+    if problem:
+        return Checkpoint(path, step, None, problem)
     if optim != expected:
         return Checkpoint(path, step, None, f"optimizer shards for ranks {sorted(expected - optim)} missing")
     if model != expected:
@@ -186,16 +199,82 @@ def write_marker(checkpoint_dir: Path, world_size: int, step: int, ranks: list[i
 
     ``ranks``: the ranks whose shards are in this folder, when it is one node's own
     disk (``train.output_storage: node-local``); all of them when omitted.
+    The marker lists every file with its size, and is written only once those files
+    are on disk (fsync): after a power cut it never vouches for data still in a cache.
     """
+    files = manifest(checkpoint_dir)
+    for name in files:
+        _fsync_path(checkpoint_dir / name)
+    for folder in {(checkpoint_dir / name).parent for name in files}:
+        _fsync_path(folder)
     content: dict = {"world_size": world_size, "step": step}
     if ranks is not None:
         content["ranks"] = ranks
-    text = json.dumps(content)
+    content["files"] = files
     tmp = checkpoint_dir / (MARKER + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps(content))
+        handle.flush()
+        os.fsync(handle.fileno())
     tmp.replace(checkpoint_dir / MARKER)  # atomic: a reader sees all of it or nothing
+    _fsync_path(checkpoint_dir)  # the rename itself, durable
     # A save has worked again: an earlier failure's note is history.
     (checkpoint_dir.parent / SAVE_FAILED_NOTE).unlink(missing_ok=True)
+
+
+def manifest(checkpoint_dir: Path) -> dict[str, int]:
+    """Every file of a checkpoint folder (relative path → size in bytes), the marker aside."""
+    found = {}
+    for item in sorted(checkpoint_dir.rglob("*")):
+        name = item.relative_to(checkpoint_dir).as_posix()
+        if item.is_file() and not name.startswith(MARKER):
+            found[name] = item.stat().st_size
+    return found
+
+
+def _manifest_problem(path: Path, files: object) -> str | None:
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        return f"{MARKER}: its manifest is unreadable"
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return f"{name} missing (listed in {MARKER})"
+        if actual != size:
+            return f"{name} is {actual} bytes, {MARKER} says {size}: cut short or changed after the save"
+    return None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rotate(output_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than those.
+
+    Called once the newest checkpoint is marked complete on every node, by the rank
+    that marks this folder: the one being replaced is deleted only after its
+    successor can be resumed. Each goes marker first, so one half-deleted by a
+    crash reads as incomplete, never as complete. Returns what was deleted.
+    """
+    found = list_checkpoints(output_dir)
+    complete = [c for c in found if c.complete]
+    if not complete:
+        return []
+    kept_from = complete[-keep].step if len(complete) > keep else complete[0].step
+    doomed = [c.path for c in found if c.step < kept_from]
+    for path in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            (path / MARKER).unlink()
+            _fsync_path(path)
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 SAVE_FAILED_NOTE = "dzctl-save-failed.json"

@@ -24,11 +24,16 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 HEARTBEAT_S = 2.0
 STALE_S = 15.0  # well inside the 30 s promise, well above a GC pause or a slow store round trip
 GANG_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped because another node failed"
+# What talking to a lost or unreachable store raises: torch's DistError family (DistNetworkError,
+# DistStoreError: RuntimeError subclasses) and socket errors (OSError). Anything else is a bug here,
+# and must not be reported as a lost store (nor stop a healthy job).
+STORE_ERRORS = (RuntimeError, OSError)
 
 _watchdog: Watchdog | None = None
 # The launcher (torchrun) that started this rank. If it has died since, our
@@ -69,32 +74,54 @@ class Watchdog:
         seen = {n: (-1, time.monotonic()) for n in range(self.num_nodes) if n != self.node_rank}
         done: set[int] = set()
         store_lost_since: float | None = None
+        try:
+            while not self._stop.wait(HEARTBEAT_S):
+                now = time.monotonic()
+                try:
+                    self._check_once(seen, done, now)
+                    store_lost_since = None
+                except STORE_ERRORS as exc:
+                    if 0 in done:
+                        return  # node 0 finished and its agent took the store with it: nothing to watch
+                    store_lost_since = store_lost_since or now
+                    if now - store_lost_since > STALE_S:
+                        self._abort(f"lost the rendezvous store on the master node ({type(exc).__name__}: {exc})")
+        except Exception as exc:
+            # A bug in this file, not a failed node: say so plainly and leave the job running. This
+            # node stops watching but keeps beating, or the others would take its silence for a loss.
+            print(
+                f"dzctl gang: node {self.node_rank}: the watchdog itself failed ({type(exc).__name__}: {exc}); "
+                "this node no longer watches the others, only heartbeats (a bug in dzctl: please report it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            traceback.print_exc()
+            self._heartbeat_only()
+
+    def _heartbeat_only(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            now = time.monotonic()
-            try:
+            with contextlib.suppress(*STORE_ERRORS):
                 self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
-                if self.store.add(f"{self.prefix}/failures", 0) > 0:
-                    why = self.store.get(f"{self.prefix}/failed").decode(errors="replace")
-                    self._abort(f"another node failed ({why})")
-                for node, (count, since) in seen.items():
-                    if node in done or self.store.check([f"{self.prefix}/done/{node}"]):
-                        done.add(node)  # it finished its part; its silence is expected
-                        continue
-                    current = self.store.add(f"{self.prefix}/hb/{node}", 0)
-                    if current != count:
-                        seen[node] = (current, now)
-                    elif count >= 0 and now - since > STALE_S:
-                        self._abort(f"node {node} stopped answering for {now - since:.0f} s (killed or lost)")
-                    elif count < 0 and now - since > STALE_S * 8:
-                        # A node that never beat: it died while loading (the others waited in a collective).
-                        self._abort(f"node {node} never started its heartbeat")
-                store_lost_since = None
-            except Exception as exc:
-                if 0 in done:
-                    return  # node 0 finished and its agent took the store with it: nothing to watch
-                store_lost_since = store_lost_since or now
-                if now - store_lost_since > STALE_S:
-                    self._abort(f"lost the rendezvous store on the master node ({type(exc).__name__}: {exc})")
+
+    def _check_once(self, seen: dict[int, tuple[int, float]], done: set[int], now: float) -> None:
+        self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
+        if self.store.add(f"{self.prefix}/failures", 0) > 0:
+            why = self.store.get(f"{self.prefix}/failed").decode(errors="replace")
+            self._abort(f"another node failed ({why})")
+        for node, (count, since) in seen.items():
+            if node in done or self.store.check([f"{self.prefix}/done/{node}"]):
+                done.add(node)  # it finished its part; its silence is expected
+                continue
+            current = self.store.add(f"{self.prefix}/hb/{node}", 0)
+            if current != count:
+                seen[node] = (current, now)
+            # A counter at 0 has never been bumped (add on a missing key reads 0): that node has
+            # not reached its watchdog yet (slower data loading, say), which is not silence.
+            elif count > 0 and now - since > STALE_S:
+                self._abort(f"node {node} stopped answering for {now - since:.0f} s (killed or lost)")
+            elif count <= 0 and now - since > STALE_S * 8:
+                # A node that never beat: it died while loading (the others waited in a collective).
+                self._abort(f"node {node} never started its heartbeat")
 
     def _abort(self, reason: str) -> None:
         print(f"dzctl gang: node {self.node_rank} stops: {reason}", file=sys.stderr, flush=True)

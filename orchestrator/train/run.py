@@ -190,7 +190,9 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
         save_strategy="steps" if save else "no",
         save_steps=train.save_steps,
-        save_total_limit=train.save_total_limit,
+        # Not the Trainer's: it rotates before dzctl's marker exists. ProgressCallback rotates
+        # (train.save_total_limit) once the new checkpoint is marked complete; see checkpoints.rotate.
+        save_total_limit=None,
         # Node-local output disks: every node writes the trainer state, RNG and
         # config its ranks need to resume (HF), alongside its ZeRO shards.
         save_on_each_node=train.output_storage == "node-local",
@@ -304,8 +306,11 @@ class DzTrainer(Trainer):
 class ProgressCallback(TrainerCallback):
     """Turns Trainer events into ``progress.jsonl`` lines (rank 0) and completes checkpoints (all ranks)."""
 
-    def __init__(self, log: ProgressLog, ranks: Ranks, *, save: bool, start_extra: dict | None = None) -> None:
+    def __init__(
+        self, log: ProgressLog, ranks: Ranks, *, save: bool, keep: int | None = None, start_extra: dict | None = None
+    ) -> None:
         self.log, self.ranks, self.save = log, ranks, save
+        self.keep = keep  # train.save_total_limit: complete checkpoints kept (None: all)
         self.start_extra = start_extra or {}  # packing and attention kernel, for the start event
         self.trainer: DzTrainer | None = None
         self.step_times: list[float] = []
@@ -397,6 +402,10 @@ class ProgressCallback(TrainerCallback):
             self.log.write("checkpoint", **self._common(state), path=str(path))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+        # Every node has marked it now: only then may older ones go (by the rank that marks this folder).
+        marks = self.ranks.local_rank == 0 if self.ranks.node_local else self.ranks.rank == 0
+        if self.keep and marks and checkpoints.inspect(path).complete:
+            checkpoints.rotate(path.parent, self.keep)
 
 
 def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict[str, float | None]:
@@ -546,7 +555,13 @@ def train(
     used = f"{attention.NAME}/{kernel}" if kernel else str(model.config._attn_implementation)
     if ranks.rank == 0:
         print(f"dzctl-train: packing {packed}, attention {used}", flush=True)
-    callback = ProgressCallback(log, ranks, save=save, start_extra={"packing": packed, "attention": used})
+    callback = ProgressCallback(
+        log,
+        ranks,
+        save=save,
+        keep=spec.train.save_total_limit,
+        start_extra={"packing": packed, "attention": used},
+    )
     trainer = DzTrainer(
         model=model,
         args=args,

@@ -32,10 +32,10 @@ from transformers import (
 )
 from transformers import set_seed as hf_set_seed
 
-from .. import dsconfig
+from .. import dsconfig, fusedloss
 from ..errors import InputError
 from ..spec import LoadedJob
-from . import checkpoints, data, gang
+from . import checkpoints, data, gang, loss
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
 
@@ -407,6 +407,17 @@ def _check_vocab(config, tokenizer_size: int, loaded: LoadedJob) -> None:
         )
 
 
+def resolve_fused_loss(loaded: LoadedJob, config) -> str:
+    """``train.fused_loss`` for this model (``auto`` as the planner resolves it), checked before any weight loads."""
+    choice = loaded.spec.train.fused_loss
+    model_type = getattr(config, "model_type", None)
+    resolved = fusedloss.resolve(choice, accelerator=loaded.spec.accelerator, model_type=model_type)
+    where = loaded.where("train.fused_loss")
+    loss.require_model_type(resolved, model_type, where)
+    loss.require_available(resolved, where)
+    return resolved
+
+
 def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
     spec = loaded.spec
     if spec.data.path == data.SYNTHETIC:
@@ -484,12 +495,16 @@ def train(
     tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.name_or_path)
     config = model_config(loaded)
     _check_vocab(config, len(tokenizer), loaded)
+    fused_loss = resolve_fused_loss(loaded, config)
+    if ranks.rank == 0:
+        print(f"dzctl-train: loss {fused_loss} (train.fused_loss: {spec.train.fused_loss})", flush=True)
     dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     model = build_model(loaded, config, settings.precision)
+    loss.apply_fused_loss(model, fused_loss)  # before the Trainer: it reads the forward's signature
     callback = ProgressCallback(log, ranks, save=save)
     trainer = DzTrainer(
         model=model,

@@ -291,6 +291,22 @@ def test_qwen3_8b_on_one_h200_pair_with_liger_chooses_micro_29():
     assert cost[6] / cost[20] == pytest.approx(8881 / 8300, rel=0.01)
 
 
+def test_micro_batch_search_goes_past_64_and_stops_at_the_first_that_does_not_fit():
+    small = shape_from_config(CATALOGUE["Qwen/Qwen3-0.6B"], name="Qwen/Qwen3-0.6B", source="catalogue")
+    plan = plan_memory(
+        small,
+        allowed=Allowed(gradient_checkpointing=False),
+        seq_len=1024,
+        precision="bf16",
+        gradient_accumulation_steps=1,
+        hardware=Hardware((8,), H200_GIB, None),
+        fused_loss="liger",
+    )
+    assert plan.fits and plan.choice == Choice(93, False, "none")  # the search stopped at 64 before
+    assert [c.micro_batch_size for c, _, _ in plan.candidates] == list(range(1, 95))
+    assert [ok for _, ok, _ in plan.candidates] == [True] * 93 + [False]
+
+
 def test_offload_only_when_nothing_fits_without_it():
     # 8B on 2 GPUs of 80 GiB: the states alone (61 GiB) plus logits exceed 80 GiB with margin.
     plan = _plan(QWEN3_8B, [2], 80, 512, seq=4096)

@@ -17,11 +17,13 @@ Both read ``lm_head.weight`` in the causal-LM module's forward, outside ``lm_hea
 own forward. Under ZeRO-3 that weight is partitioned and only gathered around its
 own module's forward, so it is registered as an external parameter of the causal-LM
 module (``register_external_parameter``): DeepSpeed then gathers it for that
-module's forward and backward. DeepSpeed 0.19.8 would also register it by itself on
-first access (``ZeROOrderedDict.__getitem__`` during the engine's forward) and
-Liger-Kernel issue #1048 shows a stack where that was not enough; doing it
-explicitly does not depend on either. With tied embeddings the weight is the
-embedding's, registered the same way.
+module's forward and backward. DeepSpeed 0.19.8 gathers it by itself on first access
+during the engine's forward (``ZeROOrderedDict.__getitem__``), which is enough for
+Liger (it computes its gradients in the forward) but not for the chunked loss's
+backward: without the registration that backward read the empty partition
+(``size mismatch ... vec (0)``, 2 gloo ranks; tests/test_fused_loss.py). Liger-Kernel
+issue #1048 reports a stack where even Liger's forward was not covered. With tied
+embeddings the weight is the embedding's, registered the same way.
 """
 
 from __future__ import annotations

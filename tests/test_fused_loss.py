@@ -261,5 +261,5 @@ def test_gradient_check_script_passes_for_chunked_under_zero3(tmp_path):
     assert result["world_size"] == 2 and result["dtype"] == "fp32" and result["tied"] is True
     chunked = {r["param"]: r for r in result["rows"] if r["mode"] == "chunked"}
     assert set(chunked) == {"lm_head", "final norm", "embeddings"}
-    for row in chunked.values():
-        assert row["rel_error"] < 1e-5 and row["cosine"] > 0.99999 and row["unfused_grad_norm"] > 0
+    for row in chunked.values():  # against the unfused loss (fp32 reference, same weights)
+        assert row["rel_error"] < 1e-5 and row["cosine"] > 0.99999 and row["reference_grad_norm"] > 0

@@ -233,7 +233,9 @@ def test_trainer_told_liger_without_it_fails_before_loading_anything(tmp_path):
     output = tmp_path / "out"
     argv = [sys.executable, "-m", "orchestrator.train", str(TINY), "--output-dir", str(output), "--no-save"]
     argv += ["--set", "accelerator=gpu", "--set", "train.fused_loss=liger"]
-    run = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300, check=False)
+    # No GPU visible even where one is: then whether Liger is installed or not, it cannot run.
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 2, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     assert "error: --set train.fused_loss=liger: liger" in run.stderr

@@ -51,6 +51,8 @@ class Resolved:
     prefetch_bucket_size: int | None
     param_persistence_threshold: int | None
     precision: Precision
+    # train.fused_loss as the planner resolved it (orchestrator/fusedloss.py); None: not resolved here.
+    fused_loss: str | None = None
 
 
 def bucket_sizes(hidden_size: int) -> tuple[int, int, int]:

@@ -67,6 +67,8 @@ def resolved_spec(
         data["train"]["micro_batch_size"] = resolved.micro_batch_size
         data["train"]["gradient_checkpointing"] = resolved.gradient_checkpointing
         data["train"]["precision"] = resolved.precision
+        if resolved.fused_loss is not None:
+            data["train"]["fused_loss"] = resolved.fused_loss
         data["zero"]["offload"] = (
             "all" if resolved.offload_param else "optimizer" if resolved.offload_optimizer else "none"
         )

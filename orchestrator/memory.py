@@ -21,7 +21,10 @@ per micro-batch = micro_batch_size × seq_len, P = bytes per bf16/fp16/fp32 valu
   ``layer_activation_bytes_per_token``. With gradient checkpointing only each layer's
   input is kept, plus one layer's activations during its recomputation.
 * Logits at the loss: see ``logits_bytes_per_token``. At seq 4096 and a 152k
-  vocabulary this is the largest activation term by far.
+  vocabulary this is the largest activation term by far. A fused loss
+  (``train.fused_loss``, orchestrator/fusedloss.py) never holds them: see
+  ``loss_bytes``; ``liger`` also brings Liger's RMSNorm and SwiGLU, which keep less
+  per layer (``kernels="liger"``).
 * Peak = states + max(forward/backward transient, optimizer-step transient).
 
 Pinned against measurements on 2×H200 (DESIGN §5; tests/test_memory.py); the
@@ -35,8 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from . import fusedloss
 from .dsconfig import Resolved, job_ds_config, load_user_config, merge, offload_of, resolve_precision
 from .errors import InputError
+from .fusedloss import FusedLoss
 from .modelshape import ModelShape, shape_for_job
 from .spec import LoadedJob
 
@@ -69,12 +74,18 @@ HOST_RESERVE_FRACTION = 0.10
 # DeepSpeed's default ZeRO-3 sub_group_size (elements): the optimizer steps one
 # sub-group at a time, and offloaded fp32 gradients are pinned per sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
-# Candidate micro-batches when ``train.micro_batch_size: auto``: every one up to 64.
-# The fit test's margins, not the step between candidates, absorb the estimate's error
-# (within 1.6 % of every 2-GPU measurement). On a 140 GiB H200 the largest fitting
-# micro-batch for Qwen3-8B at seq 4096 is 6, not a power of two: 6,678 tokens/s/GPU
-# against 6,399 at micro 4, one device call (benchmarks/results/h200x2-20261130, run 7).
-AUTO_MICRO_BATCHES = tuple(range(1, 65))
+# Candidate micro-batches when ``train.micro_batch_size: auto``: every one from 1 up to
+# the first that does not fit (the peak only grows with the micro-batch, so no larger
+# one would), at most MAX_AUTO_MICRO_BATCH. The fit test's margins, not the step between
+# candidates, absorb the estimate's error (within 1.6 % of every 2-GPU measurement). On
+# a 140 GiB H200 the largest fitting micro-batch for Qwen3-8B at seq 4096 is 6, not a
+# power of two: 6,678 tokens/s/GPU against 6,399 at micro 4, one device call
+# (benchmarks/results/h200x2-20261130, run 7). Without the logits (a fused loss) it is
+# about 29: the search must reach well past the 64 it stopped at before.
+# The ceiling only binds where no memory figure does (a CPU job with host RAM unknown):
+# at 1024 rows the fixed per-micro-step cost below is under 0.1 % of the work at seq 4096.
+MAX_AUTO_MICRO_BATCH = 1024
+AUTO_MICRO_BATCHES = tuple(range(1, MAX_AUTO_MICRO_BATCH + 1))
 # Expected-throughput model used only to rank candidates that fit (never to predict
 # tokens/s): time per token ∝ k + C / T, with k = 4/3 under gradient checkpointing
 # (the forward is run twice: 4 passes of work instead of 3) and C the fixed cost of
@@ -84,8 +95,16 @@ AUTO_MICRO_BATCHES = tuple(range(1, 65))
 # 6,511 at micro 4, seq 4096):
 # (4/3 + C/8192) / (4/3 + C/16384) = 6511/5806 gives C ≈ 3,000 tokens.
 # Checked later through the trainer: micro 5 and 6 ran 1.020× and 1.044× micro 4's
-# throughput, where this model says 1.025× and 1.042×.
+# throughput, where this model says 1.025× and 1.042×; with Liger, micro 12 and 20 ran
+# 1.044× and 1.070× micro 6's (8,662 and 8,881 against 8,300; DESIGN §5), where it says
+# 1.044× and 1.062×.
 MICRO_STEP_COST_TOKENS = 3000.0
+# Without checkpointing the same model with C = 3,000 is far too kind: it ranks micro 1
+# without checkpointing 2 % behind micro 2 with it, measured 30 % behind (4,050 against
+# 5,806 tokens/s/GPU, DESIGN §5), and with Liger micro 2 without it 6 % ahead of micro 6
+# with it, measured 17 % behind (6,850 against 8,300). Fitting k = 1 to those two pairs
+# gives C = 5,900 and 6,300 tokens: its own fixed cost, measured twice, rounded.
+MICRO_STEP_COST_TOKENS_NO_CHECKPOINTING = 6000.0
 RECOMPUTE_FACTOR = 4.0 / 3.0
 # nodes tried when looking for the smallest number that would fit
 MAX_NODES_SEARCHED = 512
@@ -108,18 +127,23 @@ def pinned_bytes(size: int) -> int:
     return 0 if size <= 0 else 1 << (size - 1).bit_length()
 
 
-def norm_bytes_per_token(width: int, act: int, *, weighted_output_saved: bool) -> int:
-    """What one HF RMSNorm leaves saved per token over ``width`` values.
+Kernels = Literal["hf", "liger"]
 
-    It upcasts to fp32 (kept for the variance's backward; in fp32 that is the input
+
+def norm_bytes_per_token(width: int, act: int, *, weighted_output_saved: bool, kernels: Kernels = "hf") -> int:
+    """What one RMSNorm leaves saved per token over ``width`` values.
+
+    HF's upcasts to fp32 (kept for the variance's backward; in fp32 that is the input
     itself), keeps an fp32 1/rms per row, and keeps its normalised output in the
-    activation dtype (for the weight's gradient). When a linear layer reads the
-    weighted output, that linear keeps the weighted output as well.
+    activation dtype (for the weight's gradient). Liger's (ops/rms_norm.py, 0.8) keeps
+    only its input in the activation dtype and the fp32 1/rms. When a linear layer
+    reads the weighted output, that linear keeps the weighted output as well.
     """
-    return (4 + act + (act if weighted_output_saved else 0)) * width + 4
+    kept = act if kernels == "liger" else 4 + act
+    return (kept + (act if weighted_output_saved else 0)) * width + 4
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, act: int) -> int:
+def layer_activation_bytes_per_token(shape: ModelShape, act: int, kernels: Kernels = "hf") -> int:
     """Bytes autograd keeps per token for one decoder layer without checkpointing.
 
     ``act`` = bytes of the activation dtype. Counted from the HF Llama/Qwen layers
@@ -131,17 +155,20 @@ def layer_activation_bytes_per_token(shape: ModelShape, act: int) -> int:
       its output, and an fp32 log-sum-exp per head and token; o_proj reads that output
       as a view (flash layouts are already token-major), so keeps no copy;
     * the SwiGLU MLP keeps gate, SiLU(gate), up and their product (intermediate wide);
+      Liger's SwiGLU keeps gate and up and recomputes SiLU in the backward (ops/swiglu.py);
     * residual adds and biases keep nothing.
+    With ``kernels="liger"`` (``train.fused_loss: liger``) the norms and the MLP are
+    Liger's; its RoPE, like HF's, keeps only cos/sin.
     """
     h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    total = 2 * norm_bytes_per_token(h, act, weighted_output_saved=True)
+    total = 2 * norm_bytes_per_token(h, act, weighted_output_saved=True, kernels=kernels)
     if shape.qk_norm:
-        total += norm_bytes_per_token(shape.head_dim, act, weighted_output_saved=False) * (
+        total += norm_bytes_per_token(shape.head_dim, act, weighted_output_saved=False, kernels=kernels) * (
             shape.num_heads + shape.num_kv_heads
         )
     total += act * (q + 2 * kv)  # q, k, v saved by attention
     total += act * q + 4 * shape.num_heads  # attention output + log-sum-exp
-    total += 4 * act * i  # gate, silu(gate), up, product
+    total += (3 if kernels == "liger" else 4) * act * i  # gate, [silu(gate),] up, product
     return total
 
 
@@ -155,6 +182,30 @@ def logits_bytes_per_token(shape: ModelShape, act: int) -> int:
     """
     v = shape.vocab_size
     return act * v + 4 * v + 4 * v + (act * v if act < 4 else 0)
+
+
+def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss) -> int:
+    """Bytes live at the loss's most expensive moment, beyond the final norm's saved tensors.
+
+    * ``none``: the logits (``logits_bytes_per_token``) of every token.
+    * ``liger``: the fused linear cross-entropy computes its gradients in the forward
+      (ops/fused_linear_cross_entropy.py, 0.8): the hidden states' gradient (activation
+      dtype), an fp32 loss per token and the target mask, and one chunk's logits in
+      the activation dtype (the cross-entropy kernel writes their gradient in place).
+      Its full ``lm_head`` gradient is the "its grad" of the gathered-layer term.
+    * ``chunked`` (orchestrator/train/loss.py): at its backward, the hidden states'
+      gradient, an fp32 log-sum-exp per token, and for one chunk the logits in the
+      activation dtype, their fp32 copy turned into the gradient in place and that
+      gradient cast back; the ``lm_head`` gradient is again the gathered-layer term.
+    """
+    h, v = shape.hidden_size, shape.vocab_size
+    if fused_loss == "liger":
+        chunk = fusedloss.liger_chunk_tokens(tokens, v, h)
+        return (act * h + 4 + 1) * tokens + act * v * chunk
+    if fused_loss == "chunked":
+        chunk = fusedloss.chunk_tokens(tokens, v, h)
+        return (act * h + 4) * tokens + (act + 4 + act) * v * chunk
+    return logits_bytes_per_token(shape, act) * tokens
 
 
 @dataclass(frozen=True)
@@ -218,6 +269,7 @@ def estimate(
     precision: Precision,
     world_size: int,
     buckets: Buckets | None = None,
+    fused_loss: FusedLoss = "none",
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank."""
     if world_size < 1:
@@ -262,9 +314,15 @@ def estimate(
 
     tokens = choice.micro_batch_size * seq_len
     act = p
-    full_layer = layer_activation_bytes_per_token(shape, act) * tokens
-    final_norm = norm_bytes_per_token(shape.hidden_size, act, weighted_output_saved=True) * tokens
-    logits = logits_bytes_per_token(shape, act) * tokens
+    kernels: Kernels = "liger" if fused_loss == "liger" else "hf"
+    full_layer = layer_activation_bytes_per_token(shape, act, kernels) * tokens
+    # A fused loss keeps the final norm's output itself (chunked) or not at all (Liger computes
+    # its gradients in the forward): either way no LM head keeps a second copy.
+    final_norm = (
+        norm_bytes_per_token(shape.hidden_size, act, weighted_output_saved=fused_loss != "liger", kernels=kernels)
+        * tokens
+    )
+    logits = loss_bytes(shape, act, tokens, fused_loss)
     if choice.gradient_checkpointing:
         kept = shape.num_layers * act * shape.hidden_size * tokens
         # During a layer's recomputation its full activations and the incoming gradient
@@ -332,6 +390,7 @@ class MemoryPlan:
     min_nodes: int | None = None  # nodes like these that would fit, when it does not
     notes: tuple[str, ...] = field(default=())
     candidates: tuple[tuple[Choice, bool, str], ...] = field(default=())  # (choice, fits, why not)
+    fused_loss: FusedLoss = "none"  # train.fused_loss, resolved (orchestrator/fusedloss.py)
 
     @property
     def choice(self) -> Choice:
@@ -352,6 +411,7 @@ class MemoryPlan:
             prefetch_bucket_size=self.buckets.prefetch,
             param_persistence_threshold=self.buckets.persistence,
             precision=self.precision,
+            fused_loss=self.fused_loss,
         )
 
     def to_dict(self, ds_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -366,6 +426,8 @@ class MemoryPlan:
             "breakdown": {
                 "gpu": {k: _gib(v) for k, v in est.gpu_terms.items()},
                 "gpu_peak_phase": est.peak_phase,
+                # what the "logits + loss" term is made of
+                "fused_loss": self.fused_loss,
                 "allocator_margin_fraction": ALLOCATOR_MARGIN,
                 "non_torch_gpu_gib": NON_TORCH_GPU_GIB,
                 "host_per_rank": {k: _gib(v) for k, v in est.host_terms_per_rank.items()},
@@ -377,6 +439,7 @@ class MemoryPlan:
             "train_batch_size": self.train_batch_size,
             "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
             "precision": self.precision,
+            "fused_loss": self.fused_loss,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
             "gpu_mem_gib": hw.gpu_mem_gib,
@@ -416,11 +479,18 @@ class Allowed:
     def choices(self, offload: Offload) -> list[Choice]:
         return [Choice(m, c, offload) for c in self.checkpointing() for m in self.micro_batches()]
 
+    def least_choices(self, offload: Offload) -> list[Choice]:
+        """The smallest allowed micro-batch per checkpointing setting: if none of these fits, nothing does."""
+        return [Choice(min(self.micro_batches()), c, offload) for c in self.checkpointing()]
+
 
 def expected_cost_per_token(choice: Choice, seq_len: int) -> float:
     """Relative time per token (lower is faster); ranks candidates of one offload level."""
-    k = RECOMPUTE_FACTOR if choice.gradient_checkpointing else 1.0
-    return k + MICRO_STEP_COST_TOKENS / (choice.micro_batch_size * seq_len)
+    if choice.gradient_checkpointing:
+        k, fixed = RECOMPUTE_FACTOR, MICRO_STEP_COST_TOKENS
+    else:
+        k, fixed = 1.0, MICRO_STEP_COST_TOKENS_NO_CHECKPOINTING
+    return k + fixed / (choice.micro_batch_size * seq_len)
 
 
 def plan_memory(
@@ -432,6 +502,7 @@ def plan_memory(
     gradient_accumulation_steps: int,
     hardware: Hardware,
     accelerator: str = "gpu",
+    fused_loss: FusedLoss = "none",
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -446,14 +517,27 @@ def plan_memory(
     tried: list[tuple[Choice, bool, str]] = []
     best: tuple[float, Estimate] | None = None
     for offload in allowed.offloads(accelerator):
+        too_big: set[bool] = set()  # checkpointing settings whose micro-batch search has ended
         for choice in allowed.choices(offload):
-            est = estimate(shape, choice, seq_len=seq_len, precision=precision, world_size=hardware.world_size)
+            if choice.gradient_checkpointing in too_big:
+                continue
+            est = estimate(
+                shape,
+                choice,
+                seq_len=seq_len,
+                precision=precision,
+                world_size=hardware.world_size,
+                fused_loss=fused_loss,
+            )
             ok, why = _fits(est, hardware, accelerator)
             tried.append((choice, ok, why))
             if ok:
                 cost = expected_cost_per_token(choice, seq_len)
                 if best is None or cost < best[0]:
                     best = (cost, est)
+            else:
+                # The peak only grows with the micro-batch: no larger one fits either.
+                too_big.add(choice.gradient_checkpointing)
         if best is not None:
             break
     common = dict(
@@ -466,19 +550,20 @@ def plan_memory(
         candidates=tuple(tried),
         notes=_notes(hardware, accelerator),
         accelerator=accelerator,
+        fused_loss=fused_loss,
     )
     if best is not None:
         est = best[1]
         return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware, accelerator), **common)
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator)
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
         estimate=least,
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
-        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator),
+        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss),
         **common,
     )
 
@@ -516,7 +601,13 @@ def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, st
 
 
 def _least_demanding(
-    shape: ModelShape, allowed: Allowed, seq_len: int, precision: Precision, hardware: Hardware, accelerator: str
+    shape: ModelShape,
+    allowed: Allowed,
+    seq_len: int,
+    precision: Precision,
+    hardware: Hardware,
+    accelerator: str,
+    fused_loss: FusedLoss = "none",
 ) -> Estimate:
     """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
 
@@ -532,15 +623,23 @@ def _least_demanding(
         return over
 
     options = [
-        estimate(shape, choice, seq_len=seq_len, precision=precision, world_size=hardware.world_size)
+        estimate(
+            shape, choice, seq_len=seq_len, precision=precision, world_size=hardware.world_size, fused_loss=fused_loss
+        )
         for offload in allowed.offloads(accelerator)
-        for choice in allowed.choices(offload)
+        for choice in allowed.least_choices(offload)
     ]
     return min(options, key=overshoot)
 
 
 def smallest_fitting_nodes(
-    shape: ModelShape, allowed: Allowed, seq_len: int, precision: Precision, hardware: Hardware, accelerator: str
+    shape: ModelShape,
+    allowed: Allowed,
+    seq_len: int,
+    precision: Precision,
+    hardware: Hardware,
+    accelerator: str,
+    fused_loss: FusedLoss = "none",
 ) -> int | None:
     """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
 
@@ -551,8 +650,15 @@ def smallest_fitting_nodes(
     for count in range(len(hardware.slots_per_node) + 1, MAX_NODES_SEARCHED + 1):
         bigger = replace(hardware, slots_per_node=(per_node,) * count)
         for offload in allowed.offloads(accelerator):
-            for choice in allowed.choices(offload):
-                est = estimate(shape, choice, seq_len=seq_len, precision=precision, world_size=bigger.world_size)
+            for choice in allowed.least_choices(offload):
+                est = estimate(
+                    shape,
+                    choice,
+                    seq_len=seq_len,
+                    precision=precision,
+                    world_size=bigger.world_size,
+                    fused_loss=fused_loss,
+                )
                 if _fits(est, bigger, accelerator)[0]:
                     return count
     return None
@@ -681,14 +787,16 @@ def plan_for_job(
         if value is not None and not value > 0:
             raise InputError(f"{flag} {value}: must be a positive number of GiB")
     hardware = Hardware(tuple(slots_per_node), gpu_mem_gib if spec.accelerator == "gpu" else None, host_mem_gib)
+    shape = shape or shape_for_job(job)
     plan = plan_memory(
-        shape or shape_for_job(job),
+        shape,
         allowed=allowed_from_job(job),
         seq_len=spec.train.max_seq_len,
         precision=precision_for_job(job, bf16_supported=bf16_supported),
         gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
         hardware=hardware,
         accelerator=spec.accelerator,
+        fused_loss=fusedloss.resolve(spec.train.fused_loss, accelerator=spec.accelerator, model_type=shape.model_type),
     )
     ds_config = job_ds_config(job, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config

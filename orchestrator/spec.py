@@ -81,6 +81,8 @@ class TrainSpec(_Strict):
     # Several examples per row of max_seq_len (orchestrator/train/packing.py).
     # auto: on for GPU jobs, off on CPU and for synthetic:random.
     packing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    # The loss without the full logits (orchestrator/fusedloss.py): auto = liger on GPUs, chunked on CPU.
+    fused_loss: Literal["auto", "liger", "chunked", "none"] = "auto"
 
     @field_validator("gradient_checkpointing", "packing", mode="before")
     @classmethod
@@ -231,7 +233,19 @@ def load_job(
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(_format_validation(exc, lines, overrides)) from None
-    return LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
+    loaded = LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
+    _check_fused_loss(loaded)
+    return loaded
+
+
+def _check_fused_loss(loaded: LoadedJob) -> None:
+    # Liger's kernels are Triton: a CPU job asking for them would fail on every rank at its first step.
+    if loaded.spec.train.fused_loss == "liger" and loaded.spec.accelerator == "cpu":
+        raise SpecError(
+            f"{loaded.where('train.fused_loss')}: train.fused_loss: liger needs CUDA GPUs (Triton kernels), "
+            "and this job has accelerator: cpu",
+            fix="set train.fused_loss: chunked (or auto, which is chunked on CPU)",
+        )
 
 
 def shown_override(item: str) -> str:

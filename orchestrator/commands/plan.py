@@ -60,6 +60,13 @@ def plan_command(
     require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
 
 
+_LOSS_TEXT = {
+    "liger": "liger (fused linear cross-entropy and Liger's RMSNorm/SwiGLU/RoPE; no logits held)",
+    "chunked": "chunked (cross-entropy over chunks of tokens, logits recomputed in the backward)",
+    "none": "the model's own (full logits)",
+}
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
 
@@ -90,6 +97,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"{'on' if c.gradient_checkpointing else 'off'} ({how(train.gradient_checkpointing)}), offload {c.offload} "
         f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
         f"{plan.train_batch_size}",
+        f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",
         "",
         f"per {'rank (in host RAM: CPU ranks)' if cpu else 'GPU'}, peak allocated (during {est.peak_phase}):",
     ]

@@ -32,10 +32,10 @@ from transformers import (
 )
 from transformers import set_seed as hf_set_seed
 
-from .. import dsconfig
+from .. import dsconfig, fusedloss
 from ..errors import InputError
 from ..spec import LoadedJob
-from . import attention, checkpoints, data, gang, packing
+from . import attention, checkpoints, data, gang, loss, packing
 from .collate import PackedCollator
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
@@ -453,6 +453,17 @@ def _check_vocab(config, tokenizer_size: int, loaded: LoadedJob) -> None:
         )
 
 
+def resolve_fused_loss(loaded: LoadedJob, config) -> str:
+    """``train.fused_loss`` for this model (``auto`` as the planner resolves it), checked before any weight loads."""
+    choice = loaded.spec.train.fused_loss
+    model_type = getattr(config, "model_type", None)
+    resolved = fusedloss.resolve(choice, accelerator=loaded.spec.accelerator, model_type=model_type)
+    where = loaded.where("train.fused_loss")
+    loss.require_model_type(resolved, model_type, where)
+    loss.require_available(resolved, where)
+    return resolved
+
+
 def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
     spec = loaded.spec
     if spec.data.path == data.SYNTHETIC:
@@ -544,6 +555,9 @@ def train(
     tokenizer = load_tokenizer(spec.model.tokenizer, spec.model.name_or_path)
     config = model_config(loaded)
     _check_vocab(config, len(tokenizer), loaded)
+    fused_loss = resolve_fused_loss(loaded, config)
+    if ranks.rank == 0:
+        print(f"dzctl-train: loss {fused_loss} (train.fused_loss: {spec.train.fused_loss})", flush=True)
     dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
@@ -552,6 +566,7 @@ def train(
     packed = settings.packing and spec.data.path != data.SYNTHETIC
     kernel = attention.choose_kernel() if packed else None
     model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
+    loss.apply_fused_loss(model, fused_loss)  # before the Trainer: it reads the forward's signature
     used = f"{attention.NAME}/{kernel}" if kernel else str(model.config._attn_implementation)
     if ranks.rank == 0:
         print(f"dzctl-train: packing {packed}, attention {used}", flush=True)

@@ -21,6 +21,7 @@ export TORCH_CUDA_ARCH_LIST=9.0
 # NVLink multicast stays off on these shared hosts (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 DZCTL_HOME=/tmp/dzctl-home
+nvidia-smi topo -m >"$OUT/topo.txt" 2>&1 || true
 start=$(date +%s.%N)
 "$PY" -m orchestrator preflight "$JOB" --hosts hostfiles/localhost.txt --runtime process \
   --set launch.python="$PY" --set launch.remote_dir=/tmp/dzctl-nccl --json >"$OUT/preflight.json" 2>"$OUT/preflight.stderr"

@@ -71,6 +71,7 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         progress=progress,
         progress_age_s=age,
         first_failure=first_failure(nodes, reasons),
+        preflight=record.preflight,
     )
 
 

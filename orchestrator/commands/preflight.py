@@ -18,7 +18,7 @@ from ..options import (
     ssh_options,
 )
 from ..preflight import print_report, run_preflight
-from ..preflight.collective import CollectiveRequest, run_collective_stage, skipped
+from ..preflight.collective import collective_unless_skipped
 from ..ssh import HostPool
 
 
@@ -37,11 +37,8 @@ def preflight_command(
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
         report = run_preflight(job, nodes, pool)
-        if skip_collective:
-            skipped(report, "--skip-collective")
-        else:
-            # Last: it starts the job's launcher on every node, which needs what the other checks check.
-            run_collective_stage(job.spec, nodes, pool, report, CollectiveRequest(timeout_s=collective_timeout))
+        # Last: it starts the job's launcher on every node, which needs what the other checks check.
+        collective_unless_skipped(job.spec, nodes, pool, report, skip=skip_collective, timeout_s=collective_timeout)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -43,10 +43,10 @@ CPU_BYTES, CPU_ITERS, CPU_WARMUP = 8 * 2**20, 3, 1
 # NET: the IB/socket devices, GRAPH: the path type within a node). torchrun's agent logs
 # its rendezvous steps at INFO.
 CHECK_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH", "LOGLEVEL": "INFO"}
-# A check that fails on these cannot start, so it is not run (it would only add a second message).
-NEEDS = frozenset(
-    {"ssh", "docker", "nvidia-toolkit", "image", "image-runtime", "python-env", "nvidia-smi", "master-port"}
-)
+# A check that fails on these cannot start the check's launchers, so it is not run (it would only
+# add a second message). Network findings (route, master port) do not stop it: the collective is
+# the ground truth for the network, and its diagnosis names the node that cannot reach the others.
+NEEDS = frozenset({"ssh", "docker", "nvidia-toolkit", "image", "image-runtime", "python-env", "nvidia-smi"})
 MODULE = "orchestrator.train.collective"
 
 
@@ -298,3 +298,20 @@ def _node_dict(node: NodePlan) -> dict:
 def _python(plan: LaunchPlan, node: NodePlan) -> str:
     # The process runtime's wrapper is `<launch.python> -m orchestrator.nodeexec start ...`.
     return node.argv[0] if plan.runtime == "process" else "python3"
+
+
+def collective_unless_skipped(
+    spec: JobSpec,
+    nodes: list[Node],
+    pool: HostPool,
+    report: PreflightReport,
+    *,
+    skip: bool,
+    timeout_s: float,
+    job_id: str | None = None,
+) -> None:
+    """What ``preflight`` and ``launch`` call: the findings join ``report`` (hosts' checks and ``collective``)."""
+    if skip:
+        skipped(report, "skipped (--skip-collective)")
+        return
+    run_collective_stage(spec, nodes, pool, report, CollectiveRequest(timeout_s=timeout_s), job_id=job_id)

@@ -187,7 +187,7 @@ def judge(
     form_times = [r["form_s"] for w in watches for r in w.group_records if "form_s" in r]
     figures["form_s"] = round(max(form_times), 3) if form_times else None
 
-    missing = [w for w in watches if not w.joined()]
+    missing = never_joined(watches)
     failed_ranks = [w for w in watches if w.errors or w.start_error]
     checks: dict[str, Check] = {}
     if missing or failed_ranks:
@@ -253,6 +253,24 @@ def judge(
     return CollectiveOutcome(checks, figures)
 
 
+def never_joined(watches: list[NodeWatch]) -> list[NodeWatch]:
+    """The nodes to blame for a group that did not form.
+
+    Once any rank started, the launchers' rendezvous is over: the nodes with a rank that did
+    not join the group. Before that (no rank anywhere: torchrun starts ranks only once every
+    node's launcher reached the master's store), node 0 hosts that store and only the others
+    can fail to reach it: those that said so, or else all of them; plus any whose launcher exited.
+    """
+    if any(w.last for w in watches):
+        return [w for w in watches if not w.joined()]
+    workers = [w for w in watches if w.node_rank != 0 and not w.joined()]
+    said_so = [w for w in workers if w.store_failure_line]
+    blamed = said_so or workers or [w for w in watches if not w.joined()]
+    # A launcher that exited (node 0's too) failed on its own node.
+    exited = [w for w in watches if w.ended and w not in blamed]
+    return sorted(blamed + exited, key=lambda w: w.node_rank)
+
+
 def _node_figures(watch: NodeWatch) -> dict:
     results = [watch.results[r] for r in watch.ranks if r in watch.results]
     # The node's slowest rank stands for the node.
@@ -282,7 +300,7 @@ def _not_formed(
     names = ", ".join(f"node {w.node_rank} ({w.host})" for w in missing)
     if failed:
         headline = "the collective failed: " + "; ".join(f"node {w.node_rank} ({w.host}): {w.step()}" for w in failed)
-    elif formed_in_time:
+    elif formed_in_time or any(w.ended for w in missing):
         headline = f"the group did not form: {names} never joined"
     else:
         headline = f"the group did not form within {settings.timeout_s:g} s: {names} never joined"
@@ -294,11 +312,39 @@ def _not_formed(
         "open the master port and NCCL/gloo's ports between the nodes (firewalls, security groups), check that "
         f"NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME name a NIC that reaches the other nodes; see {RUNBOOK_FORM}"
     )
+    if any("No module named 'orchestrator" in line for w in watches for line in w.tail):
+        fix = "the image or Python lacks dzctl's check module: rebuild the image with dzctl build (or update dzctl "
+        fix += "in launch.python's environment) and distribute it again; then " + fix
     checks = {}
     for watch in watches:
         if watch in missing or watch in failed:
             extra = f"; last output: {watch.tail[-1]}" if watch.tail else ""
             checks[watch.host] = fail("collective", f"{headline}; here: {watch.step()}{extra}", fix)
+        elif not watch.last and watch.node_rank == 0:
+            checks[watch.host] = fail(
+                "collective", f"{headline}; this node hosts the master's store and waited for the others", fix
+            )
         else:
             checks[watch.host] = fail("collective", f"{headline}; this node joined", fix)
     return CollectiveOutcome(checks, figures)
+
+
+def describe_collective(figures: dict) -> str:
+    """One line for people: what the check measured, or why it did not run or failed."""
+    if not figures.get("ran"):
+        return f"collective check: {figures.get('reason') or 'not run'}"
+    if figures.get("failure"):
+        return f"collective check FAILED: {figures['failure']}"
+    transports = figures.get("transports") or {}
+    seen = [
+        *(f"{t} within nodes" for t in transports.get("within_node") or []),
+        *(f"{t} between nodes" for t in transports.get("between_nodes") or []),
+    ]
+    path = transports.get("intra_node_path")
+    via = f" ({', '.join(seen)}{'; path ' + PATH_NAMES.get(path, path) if path else ''})" if seen else ""
+    return (
+        f"collective check: all-reduce {figures['bytes'] / 2**20:g} MiB × {figures['iters']} over "
+        f"{figures['world_size']} rank(s), {figures.get('backend')}: busbw {figures.get('busbw_gbs')} GB/s, "
+        f"algbw {figures.get('algbw_gbs')} GB/s{via}; group formed in {figures.get('form_s')} s, "
+        f"check took {figures.get('elapsed_s')} s"
+    )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..hostfile import Node
 from ..nodeops import logs_argv, remove_argv, stop_argv
 from ..plan import LaunchPlan, NodePlan, make_plan
-from ..spec import JobSpec
+from ..spec import JobSpec, is_secret_name
 from ..ssh import HostPool
 from .collective_result import CollectiveOutcome, NodeWatch, Settings, judge
 from .model import PreflightReport, warn
@@ -77,7 +77,8 @@ def collective_plan(
     spec: JobSpec, nodes: list[Node], report: PreflightReport, check_id: str, settings: Settings
 ) -> LaunchPlan:
     """The job's launch plan, as preflight would have it start the training, running the check's module instead."""
-    env = {**spec.launch.env, **CHECK_ENV}
+    # Secrets stay out: the check needs none, and without them the plan wants no env file on the nodes.
+    env = {**{k: v for k, v in spec.launch.env.items() if not is_secret_name(k)}, **CHECK_ENV}
     check_spec = spec.model_copy(update={"launch": spec.launch.model_copy(update={"env": env})})
     entry = (
         MODULE,
@@ -94,7 +95,6 @@ def collective_plan(
         check_spec,
         nodes,
         check_id,
-        # No secrets: the check needs none, and so no env file is shipped for it.
         secret_names=(),
         master_addr=report.master_addr,
         interfaces=report.interfaces,

@@ -157,6 +157,8 @@ def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controlle
     ]
     assert status["progress"]["step"] == 6 and status["progress"]["max_steps"] == 6
     assert status["first_failure"] is None
+    # The collective check ran before the start, and the record kept its figures (issue 18).
+    assert status["preflight"]["collective"]["ok"] and status["preflight"]["collective"]["busbw_gbs"] > 0
     model = controller.output_dir(0) / "model"
     assert (model / "config.json").is_file()
     assert list(model.glob("*.safetensors")), f"no consolidated weights in {model}"

@@ -170,3 +170,36 @@ def test_blocked_traffic_fails_within_the_bound_names_the_node_and_leaves_nothin
     assert "docs/runbooks/nccl-group-did-not-form.md" in checks[node1.name]["fix"]
     assert wall < 180
     assert check.leftovers() == {}
+
+
+def test_ctrl_c_during_the_check_leaves_nothing(check):
+    """SIGINT to dzctl while the check's ranks wait for a group that cannot form: every node is cleaned."""
+    import signal
+
+    node0, node1 = check.cluster.hosts
+    rules = [["-A", "OUTPUT", "-d", node0.address, "-j", "DROP"], ["-A", "INPUT", "-s", node0.address, "-j", "DROP"]]
+    for rule in rules:
+        check.cluster.run_in(node1, ["iptables", *rule])
+    sets = [item for s in check.sets for item in ("--set", s)]
+    env = {**os.environ, "DZCTL_HOME": str(check.home), "PYTHONPATH": str(ROOT)}
+    if check.docker_host:
+        env["DOCKER_HOST"] = check.docker_host
+    argv = [sys.executable, "-m", "orchestrator", "preflight", str(ROOT / "jobs/tiny-cpu.yaml"),
+            "--hosts", str(check.hostfile), "--ssh-config", str(check.cluster.ssh_config), *sets]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        # The check's launchers run on both nodes (their processes carry the job's name).
+        while len(job_processes(check.job)) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the check's launchers did not start within 300 s"
+            time.sleep(0.2)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        check.cluster.run_in(node1, ["iptables", "-F"])
+    assert proc.returncode != 0, stderr[-3000:]
+    assert check.leftovers() == {}

@@ -215,7 +215,7 @@ def judge(
     size_mib = figures["bytes"] / 2**20
     base = (
         f"all-reduce {size_mib:g} MiB × {settings.iters} over {world} rank(s): busbw {figures['busbw_gbs']} GB/s, "
-        f"algbw {figures['algbw_gbs']} GB/s; group formed in {figures['form_s']} s"
+        f"algbw {figures['algbw_gbs']} GB/s; {_formed(figures)}"
     )
     gpu = figures["backend"] == "nccl"
     for watch in watches:
@@ -345,6 +345,13 @@ def describe_collective(figures: dict) -> str:
     return (
         f"collective check: all-reduce {figures['bytes'] / 2**20:g} MiB × {figures['iters']} over "
         f"{figures['world_size']} rank(s), {figures.get('backend')}: busbw {figures.get('busbw_gbs')} GB/s, "
-        f"algbw {figures.get('algbw_gbs')} GB/s{via}; group formed in {figures.get('form_s')} s, "
-        f"check took {figures.get('elapsed_s')} s"
+        f"algbw {figures.get('algbw_gbs')} GB/s{via}; {_formed(figures)}, check took {figures.get('elapsed_s')} s"
     )
+
+
+def _formed(figures: dict) -> str:
+    # From the launchers' start (their Python and torch imports, the rendezvous) and, within
+    # that, the process group's own initialisation (store to first collective).
+    started = figures.get("launch_to_group_s")
+    lead = f"group formed {started} s after the launchers started" if started is not None else "group formed"
+    return f"{lead} (init {figures.get('form_s')} s)"

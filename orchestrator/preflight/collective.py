@@ -39,9 +39,9 @@ CLEANUP_S = 60.0
 GPU_BYTES, GPU_ITERS, GPU_WARMUP = 256 * 2**20, 5, 2
 # CPU jobs (gloo) are small and test-sized: a few MiB proves the path and gives a figure.
 CPU_BYTES, CPU_ITERS, CPU_WARMUP = 8 * 2**20, 3, 1
-# Only for the check: NCCL says which transport it chose (INIT: channels and network,
-# NET: the IB/socket devices, GRAPH: the path type within a node, P2P and SHM: their channel lines). torchrun's agent logs
-# its rendezvous steps at INFO.
+# Only for the check: NCCL says which transport it chose (INIT: channels and network, NET:
+# the IB/socket devices, GRAPH: the path type within a node, P2P and SHM: their channel
+# lines). torchrun's agent logs its rendezvous steps at INFO.
 CHECK_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH,P2P,SHM", "LOGLEVEL": "INFO"}
 # A check that fails on these cannot start the check's launchers, so it is not run (it would only
 # add a second message). Network findings (route, master port) do not stop it: the collective is

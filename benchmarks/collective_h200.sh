@@ -39,6 +39,6 @@ for host in report["hosts"]:
 PYEOF
 for size in 268435456 1073741824; do
   NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,GRAPH,P2P,SHM "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-    -m orchestrator.train.collective --bytes $size --iters 5 --warmup 2 --timeout 120 >"$OUT/nccl-$size.log" 2>&1
+    -m orchestrator.train.collective --bytes $size --iters 20 --per-round 4 --warmup 5 --timeout 120 >"$OUT/nccl-$size.log" 2>&1
   echo "by hand, $size bytes: rc=$? $(grep '"event": "result"' "$OUT/nccl-$size.log" | head -1)"
 done

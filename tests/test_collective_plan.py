@@ -23,8 +23,8 @@ REPORT = PreflightReport(
     interfaces={"gpu-a": "ens5", "gpu-b": "ens6"},
     infiniband={"gpu-b": ["uverbs0"]},
 )
-MODULE_ARGS = ("orchestrator.train.collective", "--bytes", str(256 * 2**20), "--iters", "5", "--warmup", "2",
-               "--timeout", "180")  # fmt: skip
+MODULE_ARGS = ("orchestrator.train.collective", "--bytes", str(256 * 2**20), "--iters", "20", "--per-round", "4",
+               "--warmup", "5", "--timeout", "180")  # fmt: skip
 
 
 @pytest.mark.parametrize("runtime", ["docker", "process"])

@@ -1,13 +1,18 @@
 """The collective check's pure parts: NCCL INFO lines, progress lines, and the verdict.
 
-The NCCL lines below are written from NCCL's own format strings (src/transport/p2p.cc, shm.cc,
-net.cc, src/init.cc, src/graph/search.cc, 2.18-2.28), with a real line prefix. Lines recorded on
-the H200 machine by benchmarks/collective_h200.sh are in tests/fixtures/nccl/ once that ran.
+tests/fixtures/nccl/h200x2-nccl-2.28.9-allreduce-1GiB.log is a real recording: the output of
+`torchrun --standalone --nproc_per_node 2 -m orchestrator.train.collective --bytes 1073741824`
+with NCCL_DEBUG=INFO on the 2×H200 machine (NCCL 2.28.9, benchmarks/collective_h200.sh, first
+GPU call), unedited. It also holds two ranks' records glued into one line, as they arrived.
+The other NCCL lines below (IB, SHM, sockets between nodes, which that machine cannot show) are
+written from NCCL's own format strings (src/transport/net.cc, shm.cc, src/init.cc,
+src/graph/search.cc, 2.18-2.28) with a real line prefix.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +29,7 @@ from orchestrator.preflight.nccl_lines import Transports, parse_progress, store_
 from orchestrator.train.collective import MARK, bus_factor
 
 PREFIX = "gpu-node-1:12345:12398 [0] NCCL INFO "
+RECORDED = Path(__file__).parent / "fixtures" / "nccl" / "h200x2-nccl-2.28.9-allreduce-1GiB.log"
 
 
 def progress(event: str, rank: int, node_rank: int = 0, **fields) -> str:
@@ -234,3 +240,33 @@ def test_an_image_without_the_check_module_says_to_rebuild_it():
     assert "the launcher exited" in outcome.checks["node1"].detail
     assert "No module named" in outcome.checks["node1"].detail
     assert outcome.checks["node1"].fix.startswith("the image or Python lacks dzctl's check module: rebuild")
+
+
+def test_the_recorded_h200_run_reads_as_p2p_over_nvlink_with_both_results():
+    watch = NodeWatch("vm", 0, 2, 0)
+    watch.launcher_started = True
+    for line in RECORDED.read_text().splitlines():
+        watch.feed(line)
+    assert watch.transports.to_dict() == {
+        "within_node": ["P2P/CUMEM"],
+        "between_nodes": [],
+        "network": "Socket",
+        "intra_node_path": "NVL",
+    }
+    # Rank 0's result and rank 1's arrived glued into one line; both are read.
+    assert sorted(watch.results) == [0, 1] and watch.done()
+    settings = Settings(timeout_s=60, size_bytes=2**30, iters=5, warmup=2)
+    outcome = judge(
+        [watch], settings, formed_in_time=True, elapsed_s=5.0, launch_to_group_s=3.2,
+        infiniband_hosts=frozenset(), backend_hint="nccl",
+    )  # fmt: skip
+    assert outcome.ok and outcome.checks["vm"].status == "ok"
+    assert outcome.figures["busbw_gbs"] == 312.349 and outcome.figures["dtype"] == "bfloat16"
+    assert "within the node P2P/CUMEM over NVLink" in outcome.checks["vm"].detail
+
+
+def test_glued_records_are_each_read():
+    one, two = progress("result", 0, bytes=1), progress("result", 1, bytes=1)
+    watch = NodeWatch("h", 0, 2, 0)
+    watch.feed(one + two)
+    assert sorted(watch.results) == [0, 1]

@@ -11,7 +11,7 @@ import collections
 from dataclasses import dataclass, field
 
 from .model import Check, fail, ok, warn
-from .nccl_lines import PATH_NAMES, Transports, parse_progress, store_failure
+from .nccl_lines import PATH_NAMES, Transports, parse_progress_all, store_failure
 
 RUNBOOKS = "docs/runbooks"
 RUNBOOK_FORM = f"{RUNBOOKS}/nccl-group-did-not-form.md"
@@ -70,8 +70,8 @@ class NodeWatch:
         return range(self.first_rank, self.first_rank + self.slots)
 
     def feed(self, line: str) -> None:
-        record = parse_progress(line)
-        if record is not None:
+        records = parse_progress_all(line)
+        for record in records:
             rank = int(record["rank"])
             self.last[rank] = record
             if record["event"] == "result":
@@ -80,6 +80,7 @@ class NodeWatch:
                 self.group_records.append(record)
             elif record["event"] == "error":
                 self.errors[rank] = str(record.get("error", ""))
+        if records:
             return
         if self.transports.feed(line):
             return

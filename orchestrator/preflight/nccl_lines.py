@@ -50,16 +50,30 @@ PATH_NAMES = {
 }
 
 
+_DECODER = json.JSONDecoder()
+
+
 def parse_progress(line: str) -> dict | None:
-    """A ``dzctl-collective`` record, or None for any other line (or a damaged one)."""
+    """The first ``dzctl-collective`` record in a line, or None for any other line (or a damaged one)."""
+    records = parse_progress_all(line)
+    return records[0] if records else None
+
+
+def parse_progress_all(line: str) -> list[dict]:
+    """Every record in a line: two ranks' records can arrive glued into one line (recorded on the
+    H200 machine when ranks wrote their text and newline apart); each is read on its own."""
+    records = []
     at = line.find(PROGRESS_MARK)
-    if at < 0:
-        return None
-    try:
-        record = json.loads(line[at + len(PROGRESS_MARK) :])
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) and "event" in record and "rank" in record else None
+    while at >= 0:
+        start = at + len(PROGRESS_MARK)
+        try:
+            record, _ = _DECODER.raw_decode(line, start)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and "event" in record and "rank" in record:
+            records.append(record)
+        at = line.find(PROGRESS_MARK, start)
+    return records
 
 
 def transport_of(via: str) -> tuple[str, str]:

@@ -182,6 +182,7 @@ def test_a_group_that_did_not_form_names_the_node_and_the_ranks_never_heard_from
     late.feed(progress("start", 4, 2))
     late.feed(progress("store", 4, 2))
     late.feed(progress("start", 5, 2))
+    late.feed(progress("imported", 5, 2))
     late.feed("some other line the launcher printed")
     outcome = judge(
         nodes, SETTINGS, formed_in_time=False, elapsed_s=61.0, launch_to_group_s=None,
@@ -193,7 +194,7 @@ def test_a_group_that_did_not_form_names_the_node_and_the_ranks_never_heard_from
     assert failure.startswith("the group did not form within 60 s: node 2 (node2) never joined")
     assert failure.endswith("never heard from rank 4, 5")
     detail = outcome.checks["node2"].detail
-    assert "rank 5: ranks started, never reached the master's store" in detail
+    assert "rank 5: imported torch, never reached the master's store" in detail
     assert "last output: some other line the launcher printed" in detail
     assert "docs/runbooks/nccl-group-did-not-form.md" in outcome.checks["node2"].fix
     assert "this node joined" in outcome.checks["node0"].detail

@@ -18,9 +18,10 @@ RUNBOOK_FORM = f"{RUNBOOKS}/nccl-group-did-not-form.md"
 RUNBOOK_IB = f"{RUNBOOKS}/nccl-ib-unused.md"
 RUNBOOK_SLOW = f"{RUNBOOKS}/nccl-slow-collective.md"
 
-STEPS = ("start", "store", "group", "iter", "result")
+STEPS = ("start", "imported", "store", "group", "iter", "result")
 STEP_WORDS = {
-    "start": "ranks started, never reached the master's store",
+    "start": "started, still importing torch",
+    "imported": "imported torch, never reached the master's store",
     "store": "connected to the master's store, never joined the group",
     "group": "joined the group, never finished the all-reduce",
     "iter": "joined the group, never finished the all-reduce",

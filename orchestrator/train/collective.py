@@ -7,8 +7,8 @@ node exactly as it starts the trainer: same launcher, image or Python, environme
 ``*_SOCKET_IFNAME`` and network flags. So it fails where the training would, only
 minutes earlier and before a model is loaded.
 
-Every rank prints its progress as ``dzctl-collective {json}`` lines (``start``, ``store``,
-``group``, ``iter``, ``result`` or ``error``): the controller tells from them the last
+Every rank prints its progress as ``dzctl-collective {json}`` lines (``start``, ``imported``,
+``store``, ``group``, ``iter``, ``result`` or ``error``): the controller tells from them the last
 step each node reached. Bandwidth is computed as nccl-tests does: ``algbw = bytes /
 time``, ``busbw = algbw × 2(n−1)/n`` for an all-reduce over n ranks.
 """
@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, rank: int, world: int, local_rank: int, report: Reporter) -> int:
+    began = time.monotonic()
     import torch
     import torch.distributed as dist
+
+    # Its own step: on a cold page cache (an image just loaded) this import alone can take a minute.
+    report("imported", import_s=round(time.monotonic() - began, 3))
 
     gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
     backend = "nccl" if gpu else "gloo"

@@ -163,7 +163,7 @@ def test_blocked_traffic_fails_within_the_bound_names_the_node_and_leaves_nothin
     assert result.returncode == 1, result.stderr[-3000:]
     figures = report["collective"]
     assert figures["ran"] and figures["ok"] is False, figures
-    assert figures["never_joined"] == [node1.name], figures
+    assert figures["never_joined"] == [node1.name], (figures["failure"], [n["reached"] for n in figures["nodes"]])
     assert f"within {BOUND_S} s" in figures["failure"] and f"node 1 ({node1.name}) never joined" in figures["failure"]
     # The bound counts from when the launchers started; cleanup and the launchers' start come on top.
     assert figures["elapsed_s"] < BOUND_S + 25, figures

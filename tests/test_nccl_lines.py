@@ -271,3 +271,14 @@ def test_glued_records_are_each_read():
     watch = NodeWatch("h", 0, 2, 0)
     watch.feed(one + two)
     assert sorted(watch.results) == [0, 1]
+
+
+def test_a_node_whose_ranks_never_started_is_blamed_before_one_waiting_for_it():
+    nodes = watches(2, slots=1)
+    for step in ("start", "imported", "store"):
+        nodes[0].feed(progress(step, 0, 0))  # waits in the group's init for rank 1
+    assert never_joined(nodes) == [nodes[1]]
+    nodes[1].feed(progress("start", 1, 1))
+    nodes[1].feed(progress("imported", 1, 1))
+    nodes[1].feed(progress("store", 1, 1))
+    assert never_joined(nodes) == nodes  # both wait for each other: both named

@@ -202,6 +202,9 @@ def run_collective(
             if formed_at is not None and now > formed_at + MEASURE_S:
                 break
     finally:
+        with lock:
+            for watch in watches.values():
+                watch.closed = True
         _cleanup(plan, pool)
         for thread in followers:
             thread.join(timeout=15)
@@ -268,7 +271,8 @@ def _follow(plan, node: NodePlan, pool: HostPool, watch: NodeWatch, lock, change
             for rest in buffers.values():
                 if rest:
                     watch.feed(rest.decode(errors="replace"))
-            watch.ended = True
+            if not watch.closed:  # ended by itself, not by the cleanup
+                watch.ended = True
         changed.set()
 
 

@@ -65,12 +65,17 @@ class NodeWatch:
     transports: Transports = field(default_factory=Transports)
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=12))
     store_failure_line: str | None = None
+    # Set when the controller starts removing the check: what the node prints or does after that
+    # (the launcher ending because it was killed) is the cleanup's doing, not the node's.
+    closed: bool = False
 
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.slots)
 
     def feed(self, line: str) -> None:
+        if self.closed:
+            return
         records = parse_progress_all(line)
         for record in records:
             rank = int(record["rank"])
@@ -258,19 +263,30 @@ def judge(
 def never_joined(watches: list[NodeWatch]) -> list[NodeWatch]:
     """The nodes to blame for a group that did not form.
 
-    Once any rank started, the launchers' rendezvous is over: the nodes with a rank that did
-    not join the group. Before that (no rank anywhere: torchrun starts ranks only once every
-    node's launcher reached the master's store), node 0 hosts that store and only the others
-    can fail to reach it: those that said so, or else all of them; plus any whose launcher exited.
+    Once any rank started: of the nodes with a rank outside the group, those furthest behind
+    (two nodes blocked from each other after the rendezvous are both named: nothing tells them
+    apart). Before any rank started anywhere, node 0 hosts the launchers' store and only the
+    others can fail to reach it: those that said so, or else all of them. Plus any node whose
+    launcher exited.
     """
+    not_joined = [w for w in watches if not w.joined()]
     if any(w.last for w in watches):
-        return [w for w in watches if not w.joined()]
-    workers = [w for w in watches if w.node_rank != 0 and not w.joined()]
-    said_so = [w for w in workers if w.store_failure_line]
-    blamed = said_so or workers or [w for w in watches if not w.joined()]
+        # The furthest behind: a node whose ranks never started (its launcher never reached the
+        # store) before one whose ranks wait in the group's init for it.
+        lowest = min((_lowest_step(w) for w in not_joined), default=0)
+        blamed = [w for w in not_joined if _lowest_step(w) == lowest]
+    else:
+        workers = [w for w in not_joined if w.node_rank != 0]
+        said_so = [w for w in workers if w.store_failure_line]
+        blamed = said_so or workers or not_joined
     # A launcher that exited (node 0's too) failed on its own node.
     exited = [w for w in watches if w.ended and w not in blamed]
     return sorted(blamed + exited, key=lambda w: w.node_rank)
+
+
+def _lowest_step(watch: NodeWatch) -> int:
+    # "error" and anything unknown count as not started: a failed rank is as far behind as it gets.
+    return min(STEPS.index(step) if (step := watch.reached(r)) in STEPS else -1 for r in watch.ranks)
 
 
 def _node_figures(watch: NodeWatch) -> dict:

@@ -282,3 +282,14 @@ def test_a_node_whose_ranks_never_started_is_blamed_before_one_waiting_for_it():
     nodes[1].feed(progress("imported", 1, 1))
     nodes[1].feed(progress("store", 1, 1))
     assert never_joined(nodes) == nodes  # both wait for each other: both named
+
+
+def test_a_node_that_finished_and_exited_is_not_blamed():
+    nodes = watches(2, slots=1)
+    finish(nodes[1], 1.0, 2)
+    nodes[1].ended = True  # its container exited after its result: normal
+    nodes[1].feed("[W socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3")
+    for step in ("start", "imported", "store", "group"):
+        nodes[0].feed(progress(step, 0, 0))
+    assert never_joined(nodes) == []
+    assert nodes[1].store_failure_line is None

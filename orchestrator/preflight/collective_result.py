@@ -280,7 +280,7 @@ def never_joined(watches: list[NodeWatch]) -> list[NodeWatch]:
         said_so = [w for w in workers if w.store_failure_line]
         blamed = said_so or workers or not_joined
     # A launcher that exited (node 0's too) failed on its own node.
-    exited = [w for w in watches if w.ended and w not in blamed]
+    exited = [w for w in not_joined if w.ended and w not in blamed]
     return sorted(blamed + exited, key=lambda w: w.node_rank)
 
 

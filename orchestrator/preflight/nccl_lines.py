@@ -28,11 +28,11 @@ _NCCL = re.compile(r"\bNCCL INFO (?P<msg>.*)$")
 _CHANNEL = re.compile(r"^Channel \d+(?:/\d+)? : \d+\[\d+\] -> \d+\[\d+\](?: \[(?:send|receive)\])? via (?P<via>\S+)")
 _NETWORK = re.compile(r"^Using network (?P<net>\S+)")
 _PATTERN = re.compile(r"^Pattern \d+, crossNic \d+, nChannels \d+, .*\btype (?P<intra>[A-Z]+)/(?P<inter>[A-Z]+)")
-# How a rank's store connection fails, in the words of torch's TCPStore client (c10d).
+# How a rank's store connection fails, in the words of torch's TCPStore client (c10d). Not
+# "cannot be retrieved": c10d says that of its own hostname's reverse lookup, harmlessly.
 STORE_FAILURES = (
     "failed to connect to",
     "has timed out after",
-    "cannot be retrieved",
     "Connection refused",
     "No route to host",
 )

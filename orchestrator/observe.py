@@ -92,6 +92,7 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         progress=progress,
         progress_age_s=age,
         first_failure=first_failure(nodes, reasons, sequence, gang_stopped),
+        preflight=record.preflight,
     )
 
 

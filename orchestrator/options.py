@@ -69,3 +69,20 @@ def load_job_from_options(job_file: str, overrides: tuple[str, ...], runtime: st
 def nodes_from_options(hostfile: str, include: str, exclude: str, num_nodes, num_gpus) -> list[Node]:
     """The nodes ``hosts_options`` select: the hostfile, then DeepSpeed's filters."""
     return load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
+
+
+def collective_options(func):
+    """``--skip-collective`` and ``--collective-timeout``: the collective check, on preflight and launch."""
+    func = click.option(
+        "--collective-timeout",
+        type=click.FloatRange(min=1),
+        default=60.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="How long the collective check's ranks have to form their group.",
+    )(func)
+    return click.option(
+        "--skip-collective",
+        is_flag=True,
+        help="Do not run the all-reduce across every GPU of every node (e.g. a large fleet known to be good).",
+    )(func)

@@ -74,6 +74,7 @@ def make_plan(
     master_addr: str | None = None,
     interfaces: dict[str, str] | None = None,
     infiniband_hosts: frozenset[str] = frozenset(),
+    entry: tuple[str, ...] = (),
 ) -> LaunchPlan:
     """Plan a job on ``nodes`` (in rank order).
 
@@ -83,6 +84,8 @@ def make_plan(
     first node's name is the master, as written in the hostfile.
     ``infiniband_hosts``: nodes where preflight found IB verbs devices; their
     containers get ``/dev/infiniband`` so NCCL can use IB/RoCE instead of TCP.
+    ``entry``: another module (and its arguments) for the launcher to run instead of the
+    trainer, with everything else unchanged (the collective check uses this).
     """
     interfaces = interfaces or {}
     master = master_addr or (spec.launch.master_addr if spec.launch.master_addr != "auto" else nodes[0].host)
@@ -98,6 +101,7 @@ def make_plan(
             secrets,
             interfaces.get(node.host),
             node.host in infiniband_hosts,
+            entry,
         )
         for rank, node in enumerate(nodes)
     )
@@ -136,6 +140,7 @@ def _plan_node(
     secrets: tuple[str, ...],
     interface: str | None,
     infiniband: bool,
+    entry: tuple[str, ...] = (),
 ) -> NodePlan:
     job_dir = f"{remote_dir_for(spec, node.host)}/jobs/{job_id}"
     output_dir = output_dir_for(spec, node.host)
@@ -143,13 +148,15 @@ def _plan_node(
     visible_env = _node_env(spec, job_id, rank, num_nodes, interface)
     shown_env = {**visible_env, **dict.fromkeys(secrets, MASK)}
     if spec.runtime == "docker":
-        command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{CONTAINER_JOB_DIR}/job.yaml", "docker")
+        command = _launcher(
+            spec, num_nodes, rank, node.num_slots, master, f"{CONTAINER_JOB_DIR}/job.yaml", "docker", entry
+        )
         name = container_name(job_id, rank)
         argv = _docker_run(
             spec, job_id, rank, name, gpus, job_dir, output_dir, visible_env, bool(secrets), command, infiniband
         )
     else:
-        command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{job_dir}/job.yaml", "process")
+        command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{job_dir}/job.yaml", "process", entry)
         name = None
         if spec.accelerator == "gpu":
             # No container to confine the GPUs: CUDA_VISIBLE_DEVICES does it.
@@ -200,8 +207,16 @@ def _node_env(spec: JobSpec, job_id: str, rank: int, num_nodes: int, interface: 
 
 
 def _launcher(
-    spec: JobSpec, num_nodes: int, rank: int, slots: int, master: str, job_file: str, runtime: str
+    spec: JobSpec,
+    num_nodes: int,
+    rank: int,
+    slots: int,
+    master: str,
+    job_file: str,
+    runtime: str,
+    entry: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
+    module = entry or ("orchestrator.train", job_file)
     if spec.launch.launcher == "deepspeed":
         head = ("deepspeed",) if runtime == "docker" else (spec.launch.python, "-m", "deepspeed.launcher.runner")
         return (
@@ -219,8 +234,7 @@ def _launcher(
             "--master_port",
             str(spec.launch.master_port),
             "--module",
-            "orchestrator.train",
-            job_file,
+            *module,
         )
     head = ("torchrun",) if runtime == "docker" else (spec.launch.python, "-m", "torch.distributed.run")
     return (
@@ -236,8 +250,7 @@ def _launcher(
         "--master_port",
         str(spec.launch.master_port),
         "-m",
-        "orchestrator.train",
-        job_file,
+        *module,
     )
 
 

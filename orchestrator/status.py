@@ -35,6 +35,8 @@ class JobStatus:
     progress: dict | None
     progress_age_s: float | None
     first_failure: dict | None
+    # What the launch's checks measured, from the record: {"collective": {...}} (busbw, transports).
+    preflight: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

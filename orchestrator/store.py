@@ -33,6 +33,8 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name, created);
 """
+# Columns added after the first release: added to an older file when it is opened.
+ADDED_COLUMNS = {"preflight": "TEXT"}  # JSON: what the launch's checks measured (the collective check)
 
 FINAL_STATES = frozenset({"succeeded", "failed", "stopped"})
 
@@ -55,6 +57,7 @@ class JobRecord:
     created: float
     finished: float | None
     reason: str | None
+    preflight: dict | None = None
 
 
 class JobStore:
@@ -64,6 +67,10 @@ class JobStore:
         # Autocommit, a short busy timeout: several dzctl processes may share the file.
         self._db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
         self._db.executescript(SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for column, kind in ADDED_COLUMNS.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self._db.close()
@@ -90,6 +97,9 @@ class JobStore:
             (state, reason, finished, job_id),
         )
 
+    def set_preflight(self, job_id: str, figures: dict) -> None:
+        self._db.execute("UPDATE jobs SET preflight = ? WHERE job_id = ?", (json.dumps(figures), job_id))
+
     def get(self, ref: str) -> JobRecord:
         """A job by id, or the newest job of that name."""
         row = self._db.execute("SELECT * FROM jobs WHERE job_id = ?", (ref,)).fetchone()
@@ -113,7 +123,8 @@ class JobStore:
 
 
 def _record(row: tuple) -> JobRecord:
-    job_id, name, state, runtime, image, hosts, spec, plan, ssh_config, created, finished, reason = row
+    job_id, name, state, runtime, image, hosts, spec, plan, ssh_config, created, finished, reason = row[:12]
+    preflight = row[12] if len(row) > 12 else None
     return JobRecord(
         job_id=job_id,
         name=name,
@@ -127,4 +138,5 @@ def _record(row: tuple) -> JobRecord:
         created=created,
         finished=finished,
         reason=reason,
+        preflight=json.loads(preflight) if preflight else None,
     )

@@ -157,6 +157,8 @@ def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controlle
     ]
     assert status["progress"]["step"] == 6 and status["progress"]["max_steps"] == 6
     assert status["first_failure"] is None
+    # The collective check ran before the start, and the record kept its figures (issue 18).
+    assert status["preflight"]["collective"]["ok"] and status["preflight"]["collective"]["busbw_gbs"] > 0
     model = controller.output_dir(0) / "model"
     assert (model / "config.json").is_file()
     assert list(model.glob("*.safetensors")), f"no consolidated weights in {model}"
@@ -212,8 +214,9 @@ def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(pr
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first_node = Path(f"{controller.remote}/{controller.cluster.hosts[0].name}/jobs")
     deadline = time.monotonic() + 300
-    # This job's own rank-0 record (the hosts keep earlier tests' job dirs).
-    while not list(first_node.glob(f"{controller.job}-*/rank-0.json")):
+    # This job's own rank-0 record (the hosts keep earlier tests' job dirs; the collective
+    # check's directory, <job id>-nccl, comes and goes before it).
+    while not [p for p in first_node.glob(f"{controller.job}-*/rank-0.json") if not p.parent.name.endswith("-nccl")]:
         assert proc.poll() is None, "launch ended before a node started"
         assert time.monotonic() < deadline, "no node started within 300 s"
         time.sleep(0.02)
@@ -243,7 +246,8 @@ def test_a_node_that_cannot_start_leaves_no_half_started_job(process_hosts, tmp_
     wrapper.chmod(0o755)
     controller.sets = [s for s in controller.sets if not s.startswith("launch.python=")]
     controller.sets.append(f"launch.python={wrapper}")
-    result = controller.launch("--detach", steps=100000)
+    # Without the collective check, whose own start on node1 would fail first (and leave no record).
+    result = controller.launch("--detach", "--skip-collective", steps=100000)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "did not start on every node" in result.stderr and "node1: cannot start" in result.stderr
     for host in controller.cluster.hosts:

@@ -10,6 +10,7 @@ import click
 from ..errors import DzError, RuntimeFailure
 from ..observe import gather_status, stop_nodes, stream_logs
 from ..options import json_option, ssh_options
+from ..preflight.collective_result import describe_collective
 from ..ssh import HostPool
 from ..status import JobStatus
 from ..store import FINAL_STATES, JobRecord, JobStore
@@ -110,6 +111,9 @@ def render_status(status: JobStatus) -> str:
     if status.first_failure:
         f = status.first_failure
         lines.append(f"first failure: rank {f['node_rank']} on {f['host']} (exit {f['exit_code']}): {f['reason']}")
+    collective = (status.preflight or {}).get("collective")
+    if collective:
+        lines.append(describe_collective(collective))
     return "\n".join(lines)
 
 

@@ -18,9 +18,18 @@ from ..jobfiles import job_files, resolved_spec, secret_env
 from ..launch import Phases, probe_output_storage, start_job
 from ..localcheck import check_local_inputs
 from ..memory import nodes_description, plan_for_job, require_fit
-from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
+from ..options import (
+    collective_options,
+    hosts_options,
+    job_options,
+    json_option,
+    load_job_from_options,
+    nodes_from_options,
+    ssh_options,
+)
 from ..plan import LaunchPlan, make_plan, shell_line
 from ..preflight import run_preflight
+from ..preflight.collective import collective_unless_skipped
 from ..preflight.render import print_report
 from ..spec import LoadedJob, read_env_file
 from ..ssh import HostPool
@@ -78,10 +87,11 @@ def memory_choice(
 )
 @click.option("--replace", is_flag=True, help="Stop a running job of the same name first.")
 @click.option("--no-distribute", is_flag=True, help="Do not copy the image to nodes that lack it; fail instead.")
+@collective_options
 @json_option
 def launch_command(
     job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
-    dry_run, follow, replace, no_distribute, as_json,
+    dry_run, follow, replace, no_distribute, skip_collective, collective_timeout, as_json,
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
@@ -113,6 +123,12 @@ def launch_command(
         capability = _min_reading(report, "gpu_compute_capability")
         with phases.timed("memory_plan"):
             resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem, capability)
+        # Last before the start, as the model would load: every rank of every node in one all-reduce.
+        with phases.timed("collective"):
+            collective_unless_skipped(
+                job.spec, nodes, pool, report, skip=skip_collective, timeout_s=collective_timeout, job_id=job_id
+            )
+        _require_preflight(report, quiet=True)
         plan = make_plan(
             job.spec,
             nodes,
@@ -139,6 +155,7 @@ def launch_command(
                 replace=replace,
                 phases=phases,
             )
+            store.set_preflight(started.job_id, {"collective": report.collective})
             phases.seconds["total_to_running"] = round(time.monotonic() - started_at, 3)
             log.debug("launch phases: %s", phases.seconds)
             _note(f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .collective_result import describe_collective
 from .model import HostReport, PreflightReport
 from .runner import CHECK_ORDER
 
@@ -37,6 +38,8 @@ def print_report(report: PreflightReport, console: Console) -> None:
         console.print(
             escape(f"master {report.master_addr}:{report.master_port}" + (f"; interfaces {nics}" if nics else ""))
         )
+    if report.collective:
+        console.print(escape(describe_collective(report.collective)))
     problems = [(h.host, chk) for h in report.hosts for chk in h.checks if chk.status != "ok"]
     for host, chk in problems:
         console.print(f"{MARKS[chk.status]} {escape(host)} {chk.name}: {escape(chk.detail)}")

@@ -45,6 +45,7 @@ CHECK_ORDER = (
     "image-runtime",
     "python-env",
     "same-everywhere",
+    "collective",
 )
 log = logging.getLogger(__name__)
 PORT_LISTEN_MAX_S = 60.0  # the listener's own deadline, in case the controller vanishes

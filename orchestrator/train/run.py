@@ -35,7 +35,7 @@ from transformers import set_seed as hf_set_seed
 from .. import dsconfig
 from ..errors import InputError
 from ..spec import LoadedJob
-from . import checkpoints, data, gang
+from . import checkpoints, data, gang, lora
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
 
@@ -263,6 +263,13 @@ class DzTrainer(Trainer):
 
     tokens_seen = 0
     samples_seen = 0
+    lora_base_name: str | None = None  # set for train.method: lora (the adapter's base model)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self.lora_base_name is None:
+            return super().save_model(output_dir, _internal_call)
+        # LoRA: gather and write the adapter only, never the whole base (see lora.py).
+        lora.save_adapter(self.model, Path(output_dir or self.args.output_dir), self.lora_base_name)
 
     def training_step(self, model, inputs, *args, **kwargs):
         ids = inputs["input_ids"]
@@ -451,6 +458,33 @@ def gather_memory_peaks() -> list[list[float]] | None:
     return gathered  # type: ignore[return-value]
 
 
+def lora_base_name(loaded: LoadedJob, output_dir: Path) -> str:
+    """What the adapter is for: the pretrained model's name, or the saved random base."""
+    if loaded.spec.model.init == "random":
+        return str(output_dir / lora.BASE)
+    return loaded.spec.model.name_or_path
+
+
+def save_lora(trainer: DzTrainer, loaded: LoadedJob, output_dir: Path, ranks: Ranks) -> Path:
+    """``adapter/`` always; ``base/`` for a random base; ``model/`` merged when asked. All ranks call it."""
+    model = trainer.model
+    adapter_dir = output_dir / lora.ADAPTER
+    trainer.save_model(str(adapter_dir))
+    if ranks.rank == 0:
+        trainer.processing_class.save_pretrained(str(adapter_dir))
+    full: list[tuple[Path, bool]] = []  # (folder, merged)
+    if loaded.spec.model.init == "random":
+        full.append((output_dir / lora.BASE, False))
+    if loaded.spec.train.lora.merge:
+        full.append((output_dir / lora.MERGED, True))
+    for directory, merge in full:
+        lora.save_full(model, directory, merge=merge)
+        if ranks.rank == 0:
+            trainer.processing_class.save_pretrained(str(directory))
+            checkpoints.check_consolidated(directory, lora.expected_base_shapes(model))
+    return adapter_dir
+
+
 def _agree_on_resume(resume, output_dir: Path):
     """All ranks resume from one step, whatever each node's own disk holds (see checkpoints.agree_on_resume)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
@@ -490,6 +524,11 @@ def train(
     resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     model = build_model(loaded, config, settings.precision)
+    if spec.train.method == "lora":
+        model = lora.wrap(model, loaded)
+        if ranks.rank == 0:
+            trainable, total = lora.trainable_summary(model)
+            print(f"dzctl-train: LoRA: {trainable:,} of {total:,} parameters train", flush=True)
     callback = ProgressCallback(log, ranks, save=save)
     trainer = DzTrainer(
         model=model,
@@ -500,9 +539,13 @@ def train(
         callbacks=[callback],
     )
     callback.trainer = trainer
+    if spec.train.method == "lora":
+        trainer.lora_base_name = lora_base_name(loaded, output_dir)
     result = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
     final_dir = None
-    if save:
+    if save and spec.train.method == "lora":
+        final_dir = save_lora(trainer, loaded, output_dir, ranks)
+    elif save:
         final_dir = output_dir / CONSOLIDATED
         trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0
         if ranks.rank == 0:

@@ -64,7 +64,13 @@ def resolved_spec(
         data["train"]["gradient_checkpointing"] = resolved.gradient_checkpointing
         data["train"]["precision"] = resolved.precision
         data["zero"]["offload"] = (
-            "all" if resolved.offload_param else "optimizer" if resolved.offload_optimizer else "none"
+            "nvme"
+            if resolved.nvme_path is not None
+            else "all"
+            if resolved.offload_param
+            else "optimizer"
+            if resolved.offload_optimizer
+            else "none"
         )
     # ds_config.json beside job.yaml is authoritative; the user's file was merged into it.
     data["zero"]["config"] = None

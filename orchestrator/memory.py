@@ -932,6 +932,32 @@ def allowed_from_job(job: LoadedJob) -> Allowed:
     )
 
 
+def nvme_bytes_per_node(job: LoadedJob, ranks_per_node: int, world_size: int) -> int:
+    """What offload to NVMe keeps on each node's disk (it depends on the model and the GPUs, not the batch)."""
+    lora = LoraShape.from_spec(job.spec.train.lora) if job.spec.train.method == "lora" else None
+    est = estimate(
+        shape_for_job(job),
+        Choice(1, True, "nvme"),
+        seq_len=job.spec.train.max_seq_len,
+        precision=precision_for_job(job),
+        world_size=world_size,
+        lora=lora,
+    )
+    return ranks_per_node * est.nvme_per_rank
+
+
+def nvme_reading(per_host: dict[str, dict]) -> NvmeReading | None:
+    """The planner's view of preflight's NVMe readings: the worst node (smallest space, slowest disk)."""
+    if not per_host:
+        return None
+    values = list(per_host.values())
+    return NvmeReading(
+        free_bytes=min(v["free_bytes"] for v in values),
+        read_bytes_per_s=min(v["read_bytes_per_s"] for v in values),
+        write_bytes_per_s=min(v["write_bytes_per_s"] for v in values),
+    )
+
+
 def precision_for_job(job: LoadedJob, *, bf16_supported: bool = True) -> Precision:
     """The precision DeepSpeed will run: a user config's explicit bf16/fp16 wins, else the spec's.
 

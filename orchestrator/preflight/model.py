@@ -74,6 +74,8 @@ class PreflightReport:
     gpu_compute_capability: dict[str, float] = field(default_factory=dict)
     infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
     container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node
+    # Per host, zero.nvme_path where usable: free_bytes, read_bytes_per_s, write_bytes_per_s.
+    nvme: dict[str, dict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -97,5 +99,6 @@ class PreflightReport:
             "gpu_compute_capability": self.gpu_compute_capability,
             "infiniband": self.infiniband,
             "container_probe_s": self.container_probe_s,
+            "nvme": self.nvme,
             "hosts": [h.to_dict() for h in self.hosts],
         }

@@ -87,6 +87,9 @@ class TrainSpec(_Strict):
     precision: Literal["bf16", "fp16", "fp32", "auto"] = "auto"
     gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
     save_steps: int = Field(500, ge=1)
+    # false: no checkpoints and no final weights (throughput runs through dzctl launch;
+    # the trainer's --no-save). A 72B model's end-of-run save alone takes minutes and ~1 TB.
+    save: bool = True
     save_total_limit: int | None = Field(2, ge=1)
     logging_steps: int = Field(1, ge=1)
     # None: ``<launch.remote_dir>/output/<name>`` on every node, stable across

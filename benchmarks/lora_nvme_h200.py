@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,7 +123,12 @@ def spec_for(run: str, args: argparse.Namespace, accelerator: str, workdir: Path
         "name": f"bench-{run}",
         "accelerator": accelerator,
         "runtime": "process",
-        "model": {"name_or_path": f"{run}-shape", "init": "random", "tokenizer": "builtin:byte-level", "config": config},
+        "model": {
+            "name_or_path": f"{run}-shape",
+            "init": "random",
+            "tokenizer": "builtin:byte-level",
+            "config": config,
+        },
         "data": {"path": "synthetic:random"},
         "train": train,
         "zero": zero,
@@ -191,7 +197,9 @@ def choose_nvme_layers(args, workdir: Path, accelerator: str, gpu_gib, reading) 
         # Start-up writes every partition once; then each step reads and writes its share.
         predicted_run_s = io_s * (steps + 1)
         ok = memory_plan.fits and need <= NVME_DISK_SHARE * reading.free_bytes and predicted_run_s <= args.nvme_budget_s
-        tried.append({"layers": layers, "disk_gib": nvme.get("per_node_gib"), "io_s_per_step": round(io_s, 1), "ok": ok})
+        tried.append(
+            {"layers": layers, "disk_gib": nvme.get("per_node_gib"), "io_s_per_step": round(io_s, 1), "ok": ok}
+        )
         if ok:
             return layers, {"tried": tried}, (spec, memory_plan, ds_config)
     return None, {"tried": tried}, None
@@ -226,12 +234,24 @@ def run_direct(spec: dict, ds_config: dict, memory_plan, workdir: Path, args, en
         "--master_port", str(args.port), "-m", "orchestrator.train", str(direct / "job.yaml"),
         "--output-dir", str(output),
     ]  # fmt: skip
+    return run_bounded(argv, env, timeout)
+
+
+def run_bounded(argv: list[str], env: dict, timeout: float) -> str:
+    """Run in its own process group; past ``timeout`` the whole group (torchrun and its ranks) is ended."""
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        return done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        return out + "\ntimed out"
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            text = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text = proc.communicate()[0]
+        return (text or "") + f"\ntimed out after {timeout:.0f} s"
 
 
 def measure(events: list[dict], spec: dict, nproc: int, warmup: int) -> dict:
@@ -270,7 +290,7 @@ def run_one(name: str, args, accelerator: str, gpu_gib, env: dict, log) -> dict:
             "direct_write_mib_s": round(found.write_bytes_per_s / 2**20, 1),
             "direct_read_mib_s": round(found.read_bytes_per_s / 2**20, 1),
         }
-        layers, why, chosen = choose_nvme_layers(args, workdir, accelerator, gpu_gib, reading)
+        _, why, chosen = choose_nvme_layers(args, workdir, accelerator, gpu_gib, reading)
         result["layer_choice"] = why
         if chosen is None:
             result["error"] = "no layer count fits the disk and the time budget (see layer_choice)"
@@ -328,7 +348,8 @@ def table(results: list[dict]) -> str:
         peaks = ", ".join(f"{p:.1f}" for p in r.get("peak_allocated_gib") or []) or "-"
         notes = r.get("error", "") + (f" ran via {r['ran_via']}" if r.get("ran_via") else "")
         lines.append(
-            f"| {r['run']} | {r.get('layers')} | {r.get('tokens_per_s_per_gpu', '-')} | {r.get('median_step_s', '-')} | "
+            f"| {r['run']} | {r.get('layers')} | {r.get('tokens_per_s_per_gpu', '-')} | "
+            f"{r.get('median_step_s', '-')} | "
             f"{r.get('predicted_peak_gib', '-')} | {peaks} | {r.get('predicted_io_s_per_step', '-')} | {notes} |"
         )
     return "\n".join(lines)

@@ -761,7 +761,8 @@ def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, st
         need = max(hardware.slots_per_node) * est.nvme_per_rank
         if need > hardware.nvme.free_bytes:
             reasons.append(
-                f"NVMe: needs {_gib(need)} GiB per node at zero.nvme_path, has {_gib(hardware.nvme.free_bytes)} free"
+                f"NVMe: needs {_gib(need)} GiB per node at zero.nvme_path, "
+                f"has {_gib(hardware.nvme.free_bytes)} GiB free"
             )
     return not reasons, "; ".join(reasons)
 

@@ -48,6 +48,7 @@ if not os.path.isdir(path):
     out["problem"] = "not a folder"; done()
 st = os.statvfs(path)
 out["free_bytes"] = st.f_bavail * st.f_frsize
+mib = max(1, min(mib, out["free_bytes"] // 4 >> 20))  # never fill the disk being measured
 name = os.path.join(path, ".dzctl-nvme-probe-%d" % os.getpid())
 block = 1 << 20
 buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs

@@ -35,6 +35,7 @@ import torch
 
 from ..errors import InputError
 from ..spec import LoadedJob, LoraSpec
+from . import checkpoints
 
 ADAPTER = "adapter"
 MERGED = "model"
@@ -240,3 +241,30 @@ def save_full(model, directory: Path, *, merge: bool) -> None:
         index_file = {"metadata": {}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2), encoding="utf-8")
     model.get_base_model().config.save_pretrained(str(directory))
+
+
+def base_name(loaded: LoadedJob, output_dir: Path) -> str:
+    """What the adapter is for: the pretrained model's name, or the saved random base."""
+    if loaded.spec.model.init == "random":
+        return str(output_dir / BASE)
+    return loaded.spec.model.name_or_path
+
+
+def save_outputs(trainer, loaded: LoadedJob, output_dir: Path, rank: int) -> Path:
+    """``adapter/`` always; ``base/`` for a random base; ``model/`` merged when asked. All ranks call it."""
+    model = trainer.model
+    adapter_dir = output_dir / ADAPTER
+    trainer.save_model(str(adapter_dir))  # DzTrainer.save_model: the adapter alone, gathered
+    if rank == 0:
+        trainer.processing_class.save_pretrained(str(adapter_dir))
+    full: list[tuple[Path, bool]] = []  # (folder, merged)
+    if loaded.spec.model.init == "random":
+        full.append((output_dir / BASE, False))
+    if loaded.spec.train.lora.merge:
+        full.append((output_dir / MERGED, True))
+    for directory, merge in full:
+        save_full(model, directory, merge=merge)
+        if rank == 0:
+            trainer.processing_class.save_pretrained(str(directory))
+            checkpoints.check_consolidated(directory, expected_base_shapes(model))
+    return adapter_dir

@@ -458,33 +458,6 @@ def gather_memory_peaks() -> list[list[float]] | None:
     return gathered  # type: ignore[return-value]
 
 
-def lora_base_name(loaded: LoadedJob, output_dir: Path) -> str:
-    """What the adapter is for: the pretrained model's name, or the saved random base."""
-    if loaded.spec.model.init == "random":
-        return str(output_dir / lora.BASE)
-    return loaded.spec.model.name_or_path
-
-
-def save_lora(trainer: DzTrainer, loaded: LoadedJob, output_dir: Path, ranks: Ranks) -> Path:
-    """``adapter/`` always; ``base/`` for a random base; ``model/`` merged when asked. All ranks call it."""
-    model = trainer.model
-    adapter_dir = output_dir / lora.ADAPTER
-    trainer.save_model(str(adapter_dir))
-    if ranks.rank == 0:
-        trainer.processing_class.save_pretrained(str(adapter_dir))
-    full: list[tuple[Path, bool]] = []  # (folder, merged)
-    if loaded.spec.model.init == "random":
-        full.append((output_dir / lora.BASE, False))
-    if loaded.spec.train.lora.merge:
-        full.append((output_dir / lora.MERGED, True))
-    for directory, merge in full:
-        lora.save_full(model, directory, merge=merge)
-        if ranks.rank == 0:
-            trainer.processing_class.save_pretrained(str(directory))
-            checkpoints.check_consolidated(directory, lora.expected_base_shapes(model))
-    return adapter_dir
-
-
 def _agree_on_resume(resume, output_dir: Path):
     """All ranks resume from one step, whatever each node's own disk holds (see checkpoints.agree_on_resume)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
@@ -540,11 +513,11 @@ def train(
     )
     callback.trainer = trainer
     if spec.train.method == "lora":
-        trainer.lora_base_name = lora_base_name(loaded, output_dir)
+        trainer.lora_base_name = lora.base_name(loaded, output_dir)
     result = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
     final_dir = None
     if save and spec.train.method == "lora":
-        final_dir = save_lora(trainer, loaded, output_dir, ranks)
+        final_dir = lora.save_outputs(trainer, loaded, output_dir, ranks.rank)
     elif save:
         final_dir = output_dir / CONSOLIDATED
         trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0

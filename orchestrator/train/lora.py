@@ -64,9 +64,7 @@ def wrap(model, loaded: LoadedJob):
 
     spec = loaded.spec.train.lora
     try:
-        # autocast_adapter_dtype=False: the adapters take the base's dtype (bf16), as
-        # every parameter does under DeepSpeed's bf16; its optimizer keeps fp32 masters.
-        peft_model = get_peft_model(model, lora_config(spec), autocast_adapter_dtype=False)
+        peft_model = get_peft_model(model, lora_config(spec))
     except ValueError as exc:
         if "not found in the base model" not in str(exc):
             raise
@@ -76,6 +74,12 @@ def wrap(model, loaded: LoadedJob):
             f"of this model",
             fix=f"name some of its linear layers: {', '.join(names)}",
         ) from None
+    # The adapters take the base's dtype (bf16), as every parameter does under DeepSpeed's
+    # bf16; its optimizer keeps their fp32 masters. (PEFT upcasts them to fp32 by default.)
+    for _, layer in lora_layers(peft_model):
+        dtype = layer.get_base_layer().weight.dtype
+        layer.lora_A[ADAPTER_NAME].to(dtype)
+        layer.lora_B[ADAPTER_NAME].to(dtype)
     check_adapter_shapes(peft_model, spec.r)
     return peft_model
 

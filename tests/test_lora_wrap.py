@@ -27,7 +27,8 @@ def test_adapters_take_the_base_dtype_and_only_they_train():
     trainable = {n: p for n, p in wrapped.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert {p.dtype for p in trainable.values()} == {torch.bfloat16}  # PEFT alone would make them fp32
-    assert lora.trainable_summary(wrapped) == (sum(p.numel() for p in trainable.values()), 186_752)  # all, adapters included
+    adapters = sum(p.numel() for p in trainable.values())
+    assert lora.trainable_summary(wrapped) == (adapters, 186_752)  # the total counts the adapters too
 
 
 def test_shapes_are_checked_against_the_full_weight():
@@ -35,7 +36,7 @@ def test_shapes_are_checked_against_the_full_weight():
 
     job = load_job(JOB, ["train.method=lora"])
     wrapped = lora.wrap(_model(job, torch.float32), job)
-    name, layer = next(iter(lora.lora_layers(wrapped)))
+    _, layer = next(iter(lora.lora_layers(wrapped)))
     # What ZeRO-3 leaves: an empty local tensor whose real shape is ds_shape.
     layer.get_base_layer().weight.ds_shape = torch.Size([999, 64])
     with pytest.raises(RuntimeError, match="do not fit the base weight"):

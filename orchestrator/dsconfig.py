@@ -53,6 +53,10 @@ class Resolved:
     precision: Precision
     # train.fused_loss as the planner resolved it (orchestrator/fusedloss.py); None: not resolved here.
     fused_loss: str | None = None
+    # offload: nvme (ZeRO-Infinity): both offloads go to this folder instead of host RAM.
+    nvme_path: str | None = None
+    # Elements of one parameter swap buffer; DeepSpeed needs it to hold the largest weight.
+    nvme_buffer_elements: int | None = None
 
 
 def bucket_sizes(hidden_size: int) -> tuple[int, int, int]:
@@ -97,19 +101,67 @@ def resolve_defaults(spec: JobSpec, *, bf16_supported: bool = True) -> Resolved:
         checkpointing = bool(train.gradient_checkpointing)
     offload = spec.zero.offload if spec.zero.offload != "auto" else "none"
     hidden = (spec.model.config or {}).get("hidden_size")
+    vocab = (spec.model.config or {}).get("vocab_size")
     sizes: tuple[int | None, int | None, int | None] = (None, None, None)
     if isinstance(hidden, int) and hidden > 0:
         sizes = bucket_sizes(hidden)
     return Resolved(
         micro_batch_size=micro,
         gradient_checkpointing=checkpointing,
-        offload_optimizer=offload in ("optimizer", "all"),
-        offload_param=offload == "all",
+        offload_optimizer=offload in ("optimizer", "all", "nvme"),
+        offload_param=offload in ("all", "nvme"),
         reduce_bucket_size=sizes[0],
         prefetch_bucket_size=sizes[1],
         param_persistence_threshold=sizes[2],
         precision=resolve_precision(spec, bf16_supported=bf16_supported),
+        nvme_path=spec.zero.nvme_path if offload == "nvme" else None,
+        nvme_buffer_elements=hidden * vocab if isinstance(hidden, int) and isinstance(vocab, int) else None,
     )
+
+
+# DeepSpeed's defaults for ZeRO-Infinity (docs: "Parameter offloading", "Asynchronous I/O"),
+# written out so a plan shows them: 5 pinned parameter buffers of at least 1e8 elements,
+# 4 optimizer swap buffers, and libaio reads/writes of 1 MiB blocks, 8 deep.
+NVME_PARAM_BUFFERS = 5
+NVME_MIN_BUFFER_ELEMENTS = 100_000_000
+NVME_OPTIMIZER_BUFFERS = 4
+# The optimizer steps one sub-group at a time, swapping its fp32 states in and out of
+# NVMe; 1e8 elements (DeepSpeed's ZeRO-Infinity examples) keeps those pinned buffers at
+# 1.6 GB instead of the 16 GB of the default 1e9.
+NVME_SUB_GROUP_SIZE = 100_000_000
+AIO_CONFIG = {
+    "block_size": 1_048_576,
+    "queue_depth": 8,
+    "thread_count": 1,
+    "single_submit": False,
+    "overlap_events": True,
+}
+
+
+def nvme_buffer_size(resolved: Resolved) -> int:
+    """Elements per parameter swap buffer: the default, or the largest weight where that is larger."""
+    return max(NVME_MIN_BUFFER_ELEMENTS, resolved.nvme_buffer_elements or 0)
+
+
+def nvme_sections(resolved: Resolved) -> dict[str, Any]:
+    """The ``zero_optimization`` entries of ZeRO-Infinity: parameters and optimizer states on NVMe."""
+    path = resolved.nvme_path
+    return {
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": path,
+            "pin_memory": True,
+            "buffer_count": NVME_PARAM_BUFFERS,
+            "buffer_size": nvme_buffer_size(resolved),
+        },
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": path,
+            "pin_memory": True,
+            "buffer_count": NVME_OPTIMIZER_BUFFERS,
+        },
+        "sub_group_size": NVME_SUB_GROUP_SIZE,
+    }
 
 
 def _auto(value: int | None) -> int | str:
@@ -140,6 +192,8 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if resolved.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if resolved.nvme_path is not None:
+        zero.update(nvme_sections(resolved))
     config_optimizer: dict[str, Any] | None = None
     if resolved.offload_optimizer:
         # With the optimizer offloaded DeepSpeed needs its own CPU Adam (a JIT-built op).
@@ -179,6 +233,8 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
     }
     if config_optimizer is not None:
         config["optimizer"] = config_optimizer
+    if resolved.nvme_path is not None:
+        config["aio"] = dict(AIO_CONFIG)
     return merge(config, spec.zero.overrides)
 
 

@@ -70,7 +70,13 @@ def resolved_spec(
         if resolved.fused_loss is not None:
             data["train"]["fused_loss"] = resolved.fused_loss
         data["zero"]["offload"] = (
-            "all" if resolved.offload_param else "optimizer" if resolved.offload_optimizer else "none"
+            "nvme"
+            if resolved.nvme_path is not None
+            else "all"
+            if resolved.offload_param
+            else "optimizer"
+            if resolved.offload_optimizer
+            else "none"
         )
     data["train"]["packing"] = resolve_packing(job.spec)
     # ds_config.json beside job.yaml is authoritative; the user's file was merged into it.

@@ -39,16 +39,28 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from . import fusedloss
-from .dsconfig import Resolved, job_ds_config, load_user_config, merge, offload_of, resolve_precision
+from .dsconfig import (
+    NVME_MIN_BUFFER_ELEMENTS,
+    NVME_OPTIMIZER_BUFFERS,
+    NVME_PARAM_BUFFERS,
+    NVME_SUB_GROUP_SIZE,
+    Resolved,
+    job_ds_config,
+    load_user_config,
+    merge,
+    offload_of,
+    resolve_precision,
+)
 from .errors import InputError
 from .fusedloss import FusedLoss
 from .modelshape import ModelShape, shape_for_job
-from .spec import LoadedJob
+from .spec import LoadedJob, LoraSpec
 
 GIB = 1024**3
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Offload = Literal["none", "optimizer", "all"]
+# nvme: ZeRO-Infinity, parameters and optimizer states swapped to a local NVMe disk.
+Offload = Literal["none", "optimizer", "all", "nvme"]
 
 # --- stated constants -------------------------------------------------------------
 
@@ -231,11 +243,11 @@ class Choice:
 
     @property
     def offload_optimizer(self) -> bool:
-        return self.offload in ("optimizer", "all")
+        return self.offload in ("optimizer", "all", "nvme")
 
     @property
     def offload_param(self) -> bool:
-        return self.offload == "all"
+        return self.offload in ("all", "nvme")
 
 
 @dataclass(frozen=True)
@@ -246,6 +258,13 @@ class Estimate:
     gpu_terms: dict[str, int]  # every term of the per-GPU peak (allocated by PyTorch)
     peak_phase: str  # "forward/backward" or "optimizer step"
     host_terms_per_rank: dict[str, int]
+    nvme_terms_per_rank: dict[str, int] = field(default_factory=dict)  # bytes on the NVMe disk (offload nvme)
+    trainable_params: int = 0  # all parameters for full fine-tuning, the adapters for LoRA
+    method: str = "full"  # or "lora"
+
+    @property
+    def nvme_per_rank(self) -> int:
+        return sum(self.nvme_terms_per_rank.values())
 
     @property
     def gpu_peak(self) -> int:
@@ -270,8 +289,13 @@ def estimate(
     world_size: int,
     buckets: Buckets | None = None,
     fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
 ) -> Estimate:
-    """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank."""
+    """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
+
+    ``lora``: only adapters train (``train.method: lora``); the base weights stay
+    partitioned in the model dtype and have no gradients, master copies or Adam states.
+    """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     b = buckets or Buckets.for_hidden(shape.hidden_size)
@@ -279,13 +303,18 @@ def estimate(
     g = p  # DeepSpeed's grad_accum_dtype defaults to the model dtype
     n = shape.total_params
     shard = math.ceil(n / world_size)
+    # What has gradients and optimizer states: everything, or the adapters (partitioned too).
+    trainable = lora.adapter_params(shape) if lora else n
+    tshard = math.ceil(trainable / world_size)
     master = 4 if p < 4 else 0  # fp32 master weights exist only in mixed precision
     adam = 8  # Adam's m and v in fp32
 
     gpu: dict[str, int] = {}
     host: dict[str, int] = {}
     # ZeRO-3 model states
-    if choice.offload_param:
+    if choice.offload == "nvme":
+        host.update(nvme_host_buffers(shape, p, tshard))
+    elif choice.offload_param:
         host["params (pinned)"] = pinned_bytes(p * shard)
         # zero.Init first pins each parameter's partition on its own (partition_parameters.py),
         # then ZeRO-3 copies them into the flat buffer above; the freed pinned blocks stay
@@ -297,25 +326,34 @@ def estimate(
         )
     else:
         gpu["params"] = p * shard
-    if choice.offload_optimizer:
-        host["grads (pinned)"] = pinned_bytes(g * shard)
-        host["fp32 master + Adam m,v"] = (master + adam) * shard
+    if choice.offload == "nvme":
+        host["grads (pinned)"] = pinned_bytes(g * tshard)
+    elif choice.offload_optimizer:
+        host["grads (pinned)"] = pinned_bytes(g * tshard)
+        host["fp32 master + Adam m,v"] = (master + adam) * tshard
         # CPU Adam steps on fp32 gradients, pinned per sub-group.
-        groups, last = divmod(shard, SUB_GROUP_SIZE)
+        groups, last = divmod(tshard, SUB_GROUP_SIZE)
         host["fp32 grads (pinned)"] = groups * pinned_bytes(4 * SUB_GROUP_SIZE) + pinned_bytes(4 * last)
     else:
-        gpu["grads"] = g * shard
-        gpu["fp32 master + Adam m,v"] = (master + adam) * shard
+        gpu["grads"] = g * tshard
+        gpu["fp32 master + Adam m,v"] = (master + adam) * tshard
     host["process"] = int(RANK_HOST_GIB * GIB)
     gpu["persistent small params"] = p * shape.num_layers * shape.small_params_per_layer
     # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
-    gpu["gathered largest layer + its grad"] = (p + g) * shape.largest_layer_params
-    gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
+    if lora:
+        # The frozen weight is gathered again for the backward (for its input's gradient), but has none.
+        gpu["gathered largest layer"] = p * shape.largest_layer_params
+        gpu["prefetch + reduce buckets"] = p * b.prefetch + g * min(b.reduce, trainable)
+    else:
+        gpu["gathered largest layer + its grad"] = (p + g) * shape.largest_layer_params
+        gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
 
     tokens = choice.micro_batch_size * seq_len
     act = p
     kernels: Kernels = "liger" if fused_loss == "liger" else "hf"
     full_layer = layer_activation_bytes_per_token(shape, act, kernels) * tokens
+    if lora:
+        full_layer += lora.activation_bytes_per_token(shape, act) * tokens
     # A fused loss keeps the final norm's output itself (chunked) or not at all (Liger computes
     # its gradients in the forward): either way no LM head keeps a second copy.
     final_norm = (
@@ -339,14 +377,139 @@ def estimate(
         }
     # Optimizer step: activations are gone; the fp32 gradient of one sub-group is made
     # and torch's multi-tensor AdamW needs about one more such buffer of temporaries.
-    step = 0 if choice.offload_optimizer else 2 * 4 * min(shard, SUB_GROUP_SIZE)
+    step = 0 if choice.offload_optimizer else 2 * 4 * min(tshard, SUB_GROUP_SIZE)
     if sum(train_terms.values()) >= step:
         gpu.update(train_terms)
         phase = "forward/backward"
     else:
         gpu["optimizer step temporaries"] = step
         phase = "optimizer step"
-    return Estimate(choice=choice, gpu_terms=gpu, peak_phase=phase, host_terms_per_rank=host)
+    nvme = nvme_disk_terms(p, shard, tshard, master=master) if choice.offload == "nvme" else {}
+    return Estimate(
+        choice=choice,
+        gpu_terms=gpu,
+        peak_phase=phase,
+        host_terms_per_rank=host,
+        nvme_terms_per_rank=nvme,
+        trainable_params=trainable,
+        method="lora" if lora else "full",
+    )
+
+
+# --- LoRA -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What of ``train.lora`` decides memory: the rank, the adapted modules, dropout."""
+
+    r: int
+    target_modules: tuple[str, ...]
+    dropout: float
+
+    @classmethod
+    def from_spec(cls, spec: LoraSpec) -> LoraShape:
+        return cls(spec.r, tuple(spec.target_modules), spec.dropout)
+
+    @staticmethod
+    def module_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each Llama/Qwen projection, by its HF module name."""
+        h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def adapted(self, shape: ModelShape) -> dict[str, tuple[int, int]]:
+        sizes = self.module_sizes(shape)
+        return {name: sizes[name] for name in self.target_modules if name in sizes}
+
+    def adapter_params(self, shape: ModelShape) -> int:
+        """A (r × in) and B (out × r) on every adapted projection of every layer."""
+        return shape.num_layers * sum(self.r * (fan_in + fan_out) for fan_in, fan_out in self.adapted(shape).values())
+
+    def activation_bytes_per_token(self, shape: ModelShape, act: int) -> int:
+        """What the adapters add to a layer's saved activations, per token.
+
+        Each adapter keeps its own dropout output (the input of A: ``in`` wide) and the
+        dropout mask (one byte a value), and A's output (``r`` wide, B's input). Without
+        dropout A reads the layer's input, which the base linear keeps already.
+        """
+        total = 0
+        for fan_in, _ in self.adapted(shape).values():
+            if self.dropout > 0:
+                total += (act + 1) * fan_in
+            total += act * self.r
+        return total
+
+
+# --- NVMe offload (ZeRO-Infinity) -------------------------------------------------------
+
+
+def nvme_host_buffers(shape: ModelShape, p: int, tshard: int) -> dict[str, int]:
+    """Pinned host buffers DeepSpeed swaps NVMe data through (dsconfig.nvme_sections sets their sizes)."""
+    param_buffer = max(NVME_MIN_BUFFER_ELEMENTS, shape.largest_layer_params)
+    return {
+        "NVMe parameter swap buffers (pinned)": pinned_bytes(NVME_PARAM_BUFFERS * param_buffer * p),
+        # One fp32 sub-group per buffer: the master weights, m and v being stepped.
+        "NVMe optimizer swap buffers (pinned)": pinned_bytes(
+            NVME_OPTIMIZER_BUFFERS * min(NVME_SUB_GROUP_SIZE, tshard) * 4
+        ),
+    }
+
+
+def nvme_disk_terms(p: int, shard: int, tshard: int, *, master: int) -> dict[str, int]:
+    """Bytes one rank keeps on the NVMe disk: its parameter partition and its optimizer states."""
+    return {
+        "params": p * shard,
+        "fp32 master + Adam m,v": (master + 8) * tshard,
+        "fp32 grads": 4 * tshard,
+    }
+
+
+@dataclass(frozen=True)
+class NvmeReading:
+    """What preflight found at ``zero.nvme_path``: the smallest free space and bandwidths over the nodes."""
+
+    free_bytes: int
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+
+
+def nvme_io_per_step(est: Estimate, *, accumulation: int) -> tuple[int, int]:
+    """(bytes read, bytes written) on one rank's NVMe share per optimizer step.
+
+    Every micro-step reads the parameter partition for the forward, again for the
+    backward, and once more for the recomputation under gradient checkpointing (direct
+    I/O: no page cache in between). The optimizer step reads the fp32 master, Adam m, v
+    and gradients of every sub-group and writes them back; full fine-tuning writes the
+    updated bf16 partition too (LoRA's base never changes). The gradients are written
+    once, during the backward.
+    """
+    disk = est.nvme_terms_per_rank
+    if not disk:
+        return 0, 0
+    passes = 3 if est.choice.gradient_checkpointing else 2
+    states, grads = disk["fp32 master + Adam m,v"], disk["fp32 grads"]
+    read = accumulation * passes * disk["params"] + states + grads
+    written = states + grads + (disk["params"] if est.method == "full" else 0)
+    return read, written
+
+
+def nvme_step_seconds(est: Estimate, reading: NvmeReading, *, ranks_per_node: int, accumulation: int) -> float:
+    """Time one optimizer step spends in NVMe I/O on a node whose ranks share the disk.
+
+    A floor under the step time, not a prediction of all of it: DeepSpeed overlaps some
+    I/O with compute, and compute adds its own time. Where the I/O is far larger than
+    the compute (the usual case for NVMe offload), the step takes about this long.
+    """
+    read, written = nvme_io_per_step(est, accumulation=accumulation)
+    return ranks_per_node * (read / reading.read_bytes_per_s + written / reading.write_bytes_per_s)
 
 
 # --- the plan ----------------------------------------------------------------------
@@ -368,6 +531,8 @@ class Hardware:
     slots_per_node: tuple[int, ...]
     gpu_mem_gib: float | None  # None: not known (accelerator cpu)
     host_mem_gib: float | None  # None: not known; offload cannot be checked
+    # What preflight measured at zero.nvme_path (None: not measured, or not usable there).
+    nvme: NvmeReading | None = None
 
     @property
     def world_size(self) -> int:
@@ -391,6 +556,23 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default=())
     candidates: tuple[tuple[Choice, bool, str], ...] = field(default=())  # (choice, fits, why not)
     fused_loss: FusedLoss = "none"  # train.fused_loss, resolved (orchestrator/fusedloss.py)
+    nvme_path: str | None = None  # zero.nvme_path, for a plan that offloads to NVMe
+    # Full fine-tuning that does not fit: the LoRA plan (the job's train.lora) that would.
+    lora_alternative: MemoryPlan | None = None
+    lora: LoraShape | None = None  # train.method: lora
+    largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
+
+    @property
+    def nvme_step_s(self) -> float | None:
+        """Expected NVMe I/O time per optimizer step, from preflight's bandwidths (None: not measured)."""
+        if self.choice.offload != "nvme" or self.hardware.nvme is None:
+            return None
+        return nvme_step_seconds(
+            self.estimate,
+            self.hardware.nvme,
+            ranks_per_node=max(self.hardware.slots_per_node),
+            accumulation=self.gradient_accumulation_steps,
+        )
 
     @property
     def choice(self) -> Choice:
@@ -412,6 +594,8 @@ class MemoryPlan:
             param_persistence_threshold=self.buckets.persistence,
             precision=self.precision,
             fused_loss=self.fused_loss,
+            nvme_path=self.nvme_path if self.choice.offload == "nvme" else None,
+            nvme_buffer_elements=self.largest_layer_params if self.choice.offload == "nvme" else None,
         )
 
     def to_dict(self, ds_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -438,6 +622,11 @@ class MemoryPlan:
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "train_batch_size": self.train_batch_size,
             "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
+            "offload": self.choice.offload,  # none | optimizer | all (host RAM) | nvme
+            "method": self.estimate.method,
+            "trainable_params": self.estimate.trainable_params,
+            "nvme": self._nvme_dict(),
+            "lora_alternative": self._alternative_dict(),
             "precision": self.precision,
             "fused_loss": self.fused_loss,
             "seq_len": self.seq_len,
@@ -451,6 +640,53 @@ class MemoryPlan:
             "ds_config": ds_config,
         }
 
+    def _nvme_dict(self) -> dict[str, Any] | None:
+        est = self.estimate
+        if self.choice.offload != "nvme":
+            return None
+        reading = self.hardware.nvme
+        read, written = nvme_io_per_step(est, accumulation=self.gradient_accumulation_steps)
+        ranks = max(self.hardware.slots_per_node)
+        return {
+            "path": self.nvme_path,
+            "per_rank_gib": {k: _gib(v) for k, v in est.nvme_terms_per_rank.items()},
+            "per_node_gib": _gib(ranks * est.nvme_per_rank),
+            "free_gib": _gib(reading.free_bytes) if reading else None,
+            "read_gib_per_step_per_node": _gib(ranks * read),
+            "written_gib_per_step_per_node": _gib(ranks * written),
+            "read_mib_s": round(reading.read_bytes_per_s / 2**20, 1) if reading else None,
+            "write_mib_s": round(reading.write_bytes_per_s / 2**20, 1) if reading else None,
+            "expected_io_s_per_step": round(self.nvme_step_s, 2) if self.nvme_step_s is not None else None,
+        }
+
+    def _alternative_dict(self) -> dict[str, Any] | None:
+        alt = self.lora_alternative
+        if alt is None or alt.lora is None:
+            return None
+        c = alt.choice
+        return {
+            "set": lora_sets(alt.lora),
+            "r": alt.lora.r,
+            "target_modules": list(alt.lora.target_modules),
+            "trainable_params": alt.estimate.trainable_params,
+            "micro_batch_size": c.micro_batch_size,
+            "gradient_checkpointing": c.gradient_checkpointing,
+            "offload": c.offload,
+            "per_gpu_required_gib": _gib(alt.estimate.gpu_required),
+            "host_per_node_gib": _gib(max(alt.host_per_node)),
+        }
+
+
+def lora_sets(lora: LoraShape) -> str:
+    """The ``--set`` that turns a job into this LoRA configuration (defaults left out)."""
+    default = LoraSpec()
+    sets = ["train.method=lora"]
+    if lora.r != default.r:
+        sets.append(f"train.lora.r={lora.r}")
+    if list(lora.target_modules) != default.target_modules:
+        sets.append(f"train.lora.target_modules=[{','.join(lora.target_modules)}]")
+    return " ".join(f"--set {item}" for item in sets)
+
 
 def _gib(value: float) -> float:
     return round(value / GIB, 2)
@@ -463,12 +699,16 @@ class Allowed:
     micro_batch_size: int | None = None
     gradient_checkpointing: bool | None = None
     offload: Offload | None = None
+    nvme: bool = False  # the job names zero.nvme_path: auto may offload there, last
 
-    def offloads(self, accelerator: str) -> tuple[Offload, ...]:
+    def offloads(self, accelerator: str, nvme_usable: bool = False) -> tuple[Offload, ...]:
         if self.offload is not None:
             return (self.offload,)
         # Offloading to host RAM from a CPU rank moves nothing anywhere.
-        return ("none",) if accelerator == "cpu" else OFFLOAD_ORDER
+        if accelerator == "cpu":
+            return ("none",)
+        # NVMe only after host RAM, and only where preflight found the path usable.
+        return OFFLOAD_ORDER + (("nvme",) if self.nvme and nvme_usable else ())
 
     def checkpointing(self) -> tuple[bool, ...]:
         return (self.gradient_checkpointing,) if self.gradient_checkpointing is not None else (True, False)
@@ -503,6 +743,8 @@ def plan_memory(
     hardware: Hardware,
     accelerator: str = "gpu",
     fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
+    nvme_path: str | None = None,
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -516,7 +758,7 @@ def plan_memory(
     buckets = Buckets.for_hidden(shape.hidden_size)
     tried: list[tuple[Choice, bool, str]] = []
     best: tuple[float, Estimate] | None = None
-    for offload in allowed.offloads(accelerator):
+    for offload in allowed.offloads(accelerator, hardware.nvme is not None):
         too_big: set[bool] = set()  # checkpointing settings whose micro-batch search has ended
         for choice in allowed.choices(offload):
             if choice.gradient_checkpointing in too_big:
@@ -528,6 +770,7 @@ def plan_memory(
                 precision=precision,
                 world_size=hardware.world_size,
                 fused_loss=fused_loss,
+                lora=lora,
             )
             ok, why = _fits(est, hardware, accelerator)
             tried.append((choice, ok, why))
@@ -551,19 +794,22 @@ def plan_memory(
         notes=_notes(hardware, accelerator),
         accelerator=accelerator,
         fused_loss=fused_loss,
+        lora=lora,
+        nvme_path=nvme_path,
+        largest_layer_params=shape.largest_layer_params,
     )
     if best is not None:
         est = best[1]
         return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware, accelerator), **common)
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss)
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
         estimate=least,
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
-        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss),
+        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora),
         **common,
     )
 
@@ -597,6 +843,13 @@ def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, st
                 f"{_gib(est.host_per_rank)} GiB), has {_gib(have)} GiB usable of {hardware.host_mem_gib} "
                 f"({HOST_RESERVE_FRACTION:.0%} left to the OS)"
             )
+    if est.nvme_terms_per_rank and hardware.nvme is not None:
+        need = max(hardware.slots_per_node) * est.nvme_per_rank
+        if need > hardware.nvme.free_bytes:
+            reasons.append(
+                f"NVMe: needs {_gib(need)} GiB per node at zero.nvme_path, "
+                f"has {_gib(hardware.nvme.free_bytes)} GiB free"
+            )
     return not reasons, "; ".join(reasons)
 
 
@@ -608,6 +861,7 @@ def _least_demanding(
     hardware: Hardware,
     accelerator: str,
     fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
 ) -> Estimate:
     """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
 
@@ -624,9 +878,15 @@ def _least_demanding(
 
     options = [
         estimate(
-            shape, choice, seq_len=seq_len, precision=precision, world_size=hardware.world_size, fused_loss=fused_loss
+            shape,
+            choice,
+            seq_len=seq_len,
+            precision=precision,
+            world_size=hardware.world_size,
+            fused_loss=fused_loss,
+            lora=lora,
         )
-        for offload in allowed.offloads(accelerator)
+        for offload in allowed.offloads(accelerator, hardware.nvme is not None)
         for choice in allowed.least_choices(offload)
     ]
     return min(options, key=overshoot)
@@ -640,6 +900,7 @@ def smallest_fitting_nodes(
     hardware: Hardware,
     accelerator: str,
     fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
 ) -> int | None:
     """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
 
@@ -649,7 +910,7 @@ def smallest_fitting_nodes(
     per_node = min(hardware.slots_per_node)
     for count in range(len(hardware.slots_per_node) + 1, MAX_NODES_SEARCHED + 1):
         bigger = replace(hardware, slots_per_node=(per_node,) * count)
-        for offload in allowed.offloads(accelerator):
+        for offload in allowed.offloads(accelerator, hardware.nvme is not None):
             for choice in allowed.least_choices(offload):
                 est = estimate(
                     shape,
@@ -658,6 +919,7 @@ def smallest_fitting_nodes(
                     precision=precision,
                     world_size=bigger.world_size,
                     fused_loss=fused_loss,
+                    lora=lora,
                 )
                 if _fits(est, bigger, accelerator)[0]:
                     return count
@@ -693,6 +955,17 @@ def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
             f"no number of such nodes (up to {MAX_NODES_SEARCHED}) fits: activations, logits and the gathered "
             "layer do not shrink with more GPUs"
         )
+    alt = plan.lora_alternative
+    if alt is not None and alt.lora is not None:
+        a, ac = alt.estimate, alt.choice
+        lines.append(
+            f"LoRA would fit on these nodes ({lora_sets(alt.lora)}: r {alt.lora.r} on "
+            f"{', '.join(alt.lora.target_modules)}, {a.trainable_params / 1e6:.1f} M trainable parameters): "
+            f"micro-batch {ac.micro_batch_size}, "
+            f"gradient checkpointing {'on' if ac.gradient_checkpointing else 'off'}, "
+            f"offload {ac.offload}: {_gib(a.gpu_required)} GiB per GPU (peak {_gib(a.gpu_peak)} + margins), "
+            f"{_gib(max(alt.host_per_node))} GiB host RAM per node"
+        )
     return "\n".join(lines)
 
 
@@ -701,11 +974,16 @@ def fit_fix(plan: MemoryPlan) -> str:
     more = "GPU memory" if gpu_short else "host RAM"
     if plan.min_nodes is not None:
         shorter = "; or shorten train.max_seq_len" if gpu_short else ""
-        return f"use {plan.min_nodes} such nodes, or nodes with more {more}{shorter}"
-    return (
-        "lower train.max_seq_len, allow gradient checkpointing (train.gradient_checkpointing: auto), "
-        "or use GPUs with more memory"
-    )
+        fix = f"use {plan.min_nodes} such nodes, or nodes with more {more}{shorter}"
+    else:
+        fix = (
+            "lower train.max_seq_len, allow gradient checkpointing (train.gradient_checkpointing: auto), "
+            "or use GPUs with more memory"
+        )
+    if plan.lora_alternative is not None and plan.lora_alternative.lora is not None:
+        # Never chosen on its own (it changes what is trained): named, with its numbers above.
+        fix += f"; or train LoRA adapters instead of all weights: {lora_sets(plan.lora_alternative.lora)}"
+    return fix
 
 
 def require_fit(plan: MemoryPlan, nodes_desc: str) -> None:
@@ -741,11 +1019,46 @@ def allowed_from_job(job: LoadedJob) -> Allowed:
     # the planner must estimate what DeepSpeed will actually do.
     if user is not None or (isinstance(zero, dict) and ({"offload_optimizer", "offload_param"} & set(zero))):
         opt, par = offload_of(fixed)
-        offload = "all" if par else "optimizer" if opt else "none"
+        param_device = (zero or {}).get("offload_param") if isinstance(zero, dict) else None
+        if isinstance(param_device, dict) and param_device.get("device") == "nvme":
+            offload = "nvme"
+        else:
+            offload = "all" if par else "optimizer" if opt else "none"
     user_micro = fixed.get("train_micro_batch_size_per_gpu")
     if isinstance(user_micro, int) and not isinstance(user_micro, bool):
         micro = user_micro
-    return Allowed(micro_batch_size=micro, gradient_checkpointing=ckpt, offload=offload)
+    return Allowed(
+        micro_batch_size=micro,
+        gradient_checkpointing=ckpt,
+        offload=offload,
+        nvme=job.spec.zero.nvme_path is not None,
+    )
+
+
+def nvme_bytes_per_node(job: LoadedJob, ranks_per_node: int, world_size: int) -> int:
+    """What offload to NVMe keeps on each node's disk (it depends on the model and the GPUs, not the batch)."""
+    lora = LoraShape.from_spec(job.spec.train.lora) if job.spec.train.method == "lora" else None
+    est = estimate(
+        shape_for_job(job),
+        Choice(1, True, "nvme"),
+        seq_len=job.spec.train.max_seq_len,
+        precision=precision_for_job(job),
+        world_size=world_size,
+        lora=lora,
+    )
+    return ranks_per_node * est.nvme_per_rank
+
+
+def nvme_reading(per_host: dict[str, dict]) -> NvmeReading | None:
+    """The planner's view of preflight's NVMe readings: the worst node (smallest space, slowest disk)."""
+    if not per_host:
+        return None
+    values = list(per_host.values())
+    return NvmeReading(
+        free_bytes=min(v["free_bytes"] for v in values),
+        read_bytes_per_s=min(v["read_bytes_per_s"] for v in values),
+        write_bytes_per_s=min(v["write_bytes_per_s"] for v in values),
+    )
 
 
 def precision_for_job(job: LoadedJob, *, bf16_supported: bool = True) -> Precision:
@@ -770,12 +1083,15 @@ def plan_for_job(
     host_mem_gib: float | None,
     shape: ModelShape | None = None,
     bf16_supported: bool = True,
+    nvme: NvmeReading | None = None,
 ) -> tuple[MemoryPlan, dict[str, Any] | None]:
     """The memory plan of a job on nodes with these slots, and its DeepSpeed config (``None`` if it does not fit).
 
     ``dzctl plan`` passes the flags; the launch path passes preflight's readings
-    (smallest GPU memory and host RAM found, and whether every GPU has bf16) and then
-    calls ``require_fit``.
+    (smallest GPU memory and host RAM found, whether every GPU has bf16, and what it
+    measured at ``zero.nvme_path``) and then calls ``require_fit``. Full fine-tuning
+    that does not fit is also planned as LoRA (the job's ``train.lora``), so that the
+    refusal can name it; the plan itself never switches method.
     """
     spec = job.spec
     if spec.accelerator == "gpu" and gpu_mem_gib is None:
@@ -786,17 +1102,31 @@ def plan_for_job(
     for flag, value in (("--gpu-mem-gib", gpu_mem_gib), ("--host-mem-gib", host_mem_gib)):
         if value is not None and not value > 0:
             raise InputError(f"{flag} {value}: must be a positive number of GiB")
-    hardware = Hardware(tuple(slots_per_node), gpu_mem_gib if spec.accelerator == "gpu" else None, host_mem_gib)
-    shape = shape or shape_for_job(job)
-    plan = plan_memory(
-        shape,
-        allowed=allowed_from_job(job),
-        seq_len=spec.train.max_seq_len,
-        precision=precision_for_job(job, bf16_supported=bf16_supported),
-        gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
-        hardware=hardware,
-        accelerator=spec.accelerator,
-        fused_loss=fusedloss.resolve(spec.train.fused_loss, accelerator=spec.accelerator, model_type=shape.model_type),
+    hardware = Hardware(
+        tuple(slots_per_node), gpu_mem_gib if spec.accelerator == "gpu" else None, host_mem_gib, nvme=nvme
     )
+    shape = shape or shape_for_job(job)
+    lora = LoraShape.from_spec(spec.train.lora)
+    fused_loss = fusedloss.resolve(spec.train.fused_loss, accelerator=spec.accelerator, model_type=shape.model_type)
+
+    def planned(as_lora: bool) -> MemoryPlan:
+        return plan_memory(
+            shape,
+            allowed=allowed_from_job(job),
+            seq_len=spec.train.max_seq_len,
+            precision=precision_for_job(job, bf16_supported=bf16_supported),
+            gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
+            hardware=hardware,
+            accelerator=spec.accelerator,
+            fused_loss=fused_loss,
+            lora=lora if as_lora else None,
+            nvme_path=spec.zero.nvme_path,
+        )
+
+    plan = planned(spec.train.method == "lora")
+    if not plan.fits and spec.train.method == "full":
+        alternative = planned(True)
+        if alternative.fits:
+            plan = replace(plan, lora_alternative=alternative)
     ds_config = job_ds_config(job, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config

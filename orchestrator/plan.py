@@ -292,6 +292,9 @@ def _docker_run(
     for mount in spec.launch.mounts:
         host_path, container_path, mode = parse_mount(mount)
         argv += ["--volume", f"{host_path}:{container_path}:{mode}"]
+    if spec.zero.nvme_path:
+        # ZeRO-Infinity swaps to the node's disk: the same path inside, as the DeepSpeed config names it.
+        argv += ["--volume", f"{spec.zero.nvme_path}:{spec.zero.nvme_path}:rw"]
     argv += ["--workdir", CONTAINER_JOB_DIR, spec.image, *command]
     return tuple(argv)
 

@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .errors import SpecError
@@ -53,7 +54,27 @@ class DataSpec(_Strict):
     on_error: Literal["fail", "skip"] = "fail"
 
 
+# Attention and MLP projections of the Llama/Qwen/Mistral families (HF module names).
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(_Strict):
+    """``train.lora``: the adapters of ``train.method: lora`` (PEFT's LoraConfig)."""
+
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    # 0.05: the value PEFT's and most published Llama/Qwen LoRA recipes use.
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1)
+    # Also write merged full weights (base + scaled B·A) in ``model/`` beside the adapter.
+    merge: bool = False
+
+
 class TrainSpec(_Strict):
+    # full: every weight trains. lora: the base weights stay frozen (bf16, partitioned)
+    # and only low-rank adapters train; see orchestrator/train/lora.py.
+    method: Literal["full", "lora"] = "full"
+    lora: LoraSpec = Field(default_factory=LoraSpec)
     max_seq_len: int = Field(2048, ge=8)
     micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"  # noqa: UP007
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -66,6 +87,9 @@ class TrainSpec(_Strict):
     precision: Literal["bf16", "fp16", "fp32", "auto"] = "auto"
     gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
     save_steps: int = Field(500, ge=1)
+    # false: no checkpoints and no final weights (throughput runs through dzctl launch;
+    # the trainer's --no-save). A 72B model's end-of-run save alone takes minutes and ~1 TB.
+    save: bool = True
     save_total_limit: int | None = Field(2, ge=1)
     logging_steps: int = Field(1, ge=1)
     # None: ``<launch.remote_dir>/output/<name>`` on every node, stable across
@@ -95,9 +119,26 @@ class TrainSpec(_Strict):
 
 class ZeroSpec(_Strict):
     stage: Literal[3] = 3
-    offload: Literal["none", "optimizer", "all", "auto"] = "auto"
+    # nvme: ZeRO-Infinity, parameters and optimizer states swapped to ``nvme_path``.
+    offload: Literal["none", "optimizer", "all", "nvme", "auto"] = "auto"
+    # A folder on a fast local disk of every node (the same path on each), for
+    # ``offload: nvme``; with ``offload: auto`` it lets the planner try NVMe last.
+    nvme_path: str | None = None
     config: str | None = None  # path to a user ds_config.json (may hold "auto")
     overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("nvme_path")
+    @classmethod
+    def _nvme_path_is_absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError("must be an absolute path on the nodes")
+        return value
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> ZeroSpec:
+        if self.offload == "nvme" and self.nvme_path is None:
+            raise ValueError("offload: nvme needs zero.nvme_path (a folder on a local NVMe disk of every node)")
+        return self
 
 
 def _env_text(value: Any) -> Any:

@@ -17,7 +17,7 @@ from ..hostfile import Node
 from ..jobfiles import job_files, resolved_spec, secret_env
 from ..launch import Phases, probe_output_storage, start_job
 from ..localcheck import check_local_inputs
-from ..memory import nodes_description, plan_for_job, require_fit
+from ..memory import nodes_description, nvme_reading, plan_for_job, require_fit
 from ..options import (
     collective_options,
     hosts_options,
@@ -53,7 +53,12 @@ def env_file_values(job: LoadedJob) -> dict[str, str]:
 
 
 def memory_choice(
-    job: LoadedJob, nodes: list[Node], gpu_mem_gib, host_mem_gib, compute_capability: float | None = None
+    job: LoadedJob,
+    nodes: list[Node],
+    gpu_mem_gib,
+    host_mem_gib,
+    compute_capability: float | None = None,
+    nvme: dict[str, dict] | None = None,
 ) -> tuple[Resolved, dict]:
     """The planner's configuration for these nodes, or DoesNotFit with the numbers.
 
@@ -63,7 +68,17 @@ def memory_choice(
     """
     bf16 = bf16_supported_by(compute_capability)
     slots = [n.num_slots for n in nodes]
-    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, bf16_supported=bf16)
+    plan, ds_config = plan_for_job(
+        job,
+        slots,
+        gpu_mem_gib=gpu_mem_gib,
+        host_mem_gib=host_mem_gib,
+        bf16_supported=bf16,
+        # Only nodes where preflight found zero.nvme_path usable report it; all must.
+        nvme=nvme_reading(nvme) if nvme and len(nvme) == len(nodes) else None,
+    )
+    if plan.nvme_step_s is not None:
+        _note(f"offload to NVMe: about {plan.nvme_step_s:.1f} s of disk I/O per optimizer step (preflight's bandwidth)")
     if not bf16 and plan.precision == "bf16":  # auto would have become fp16: the job forces bf16
         raise SpecError(
             f"{job.where('train.precision')}: the job asks for bf16, but the nodes' GPUs have compute "
@@ -122,7 +137,7 @@ def launch_command(
         host_mem = _min_reading(report, "host_mem_gib")
         capability = _min_reading(report, "gpu_compute_capability")
         with phases.timed("memory_plan"):
-            resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem, capability)
+            resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem, capability, report.nvme)
         # Last before the start, as the model would load: every rank of every node in one all-reduce.
         with phases.timed("collective"):
             collective_unless_skipped(

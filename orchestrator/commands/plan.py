@@ -98,6 +98,9 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
         f"{plan.train_batch_size}",
         f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",
+    ]
+    lines += _method_lines(plan)
+    lines += [
         "",
         f"per {'rank (in host RAM: CPU ranks)' if cpu else 'GPU'}, peak allocated (during {est.peak_phase}):",
     ]
@@ -115,10 +118,41 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         lines.append(f"  {'ranks (the terms above)':40s}{_g(est.gpu_peak * ranks)}")
     lines += [f"  {name:40s}{_g(value * ranks)}" for name, value in est.host_terms_per_rank.items()]
     lines.append(f"  {'total':40s}{_g(max(plan.host_per_node))}")
+    lines += _nvme_lines(plan)
     lines.append("")
     lines.append("fits" if plan.fits else f"does not fit: {plan.reason}")
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _method_lines(plan: MemoryPlan) -> list[str]:
+    if plan.lora is None:
+        return []
+    return [
+        f"method lora: r {plan.lora.r} on {', '.join(plan.lora.target_modules)}: "
+        f"{_count(plan.estimate.trainable_params)} trainable params; the base stays frozen and partitioned"
+    ]
+
+
+def _nvme_lines(plan: MemoryPlan) -> list[str]:
+    nvme = plan.to_dict(None)["nvme"]
+    if nvme is None:
+        return []
+    ranks = max(plan.hardware.slots_per_node)
+    lines = ["", f"NVMe per node at {nvme['path']} ({ranks} ranks):"]
+    lines += [f"  {name:40s}{value * ranks:8.2f} GiB" for name, value in nvme["per_rank_gib"].items()]
+    lines.append(f"  {'total':40s}{nvme['per_node_gib']:8.2f} GiB")
+    io = f"  I/O per optimizer step: {nvme['read_gib_per_step_per_node']} GiB read, "
+    io += f"{nvme['written_gib_per_step_per_node']} GiB written per node"
+    if nvme["expected_io_s_per_step"] is not None:
+        io += (
+            f"; at the measured {nvme['read_mib_s']} MiB/s read, {nvme['write_mib_s']} MiB/s write: "
+            f"about {nvme['expected_io_s_per_step']} s per step in disk I/O"
+        )
+    else:
+        io += " (bandwidth not measured: dzctl launch's preflight measures it)"
+    lines.append(io)
+    return lines
 
 
 def register(group: click.Group) -> None:

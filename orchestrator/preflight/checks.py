@@ -75,6 +75,12 @@ try:
             out["nccl_error"] = f"{type(exc).__name__}: {exc}"[:300]
 except Exception as exc:
     out["torch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+if os.environ.get("DZ_AIO_TEST") == "1":  # zero.nvme_path: DeepSpeed's async_io op needs libaio
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        out["async_io"] = bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception as exc:
+        out["async_io_error"] = f"{type(exc).__name__}: {exc}"[:300]
 try:
     import deepspeed
     out["deepspeed"] = deepspeed.__version__
@@ -129,6 +135,7 @@ class Facts:
     host_mem_bytes: int | None = None
     gpu_mem_mib: int | None = None  # the smallest of the GPUs the job uses
     gpu_compute_capability: float | None = None  # the lowest of the GPUs the job uses
+    nvme: dict | None = None  # zero.nvme_path's free space and bandwidths, when usable
 
 
 def _run(conn: Connection, argv: list[str], timeout: float = QUICK_S, env: dict | None = None) -> Result:
@@ -378,6 +385,8 @@ def env_check(name: str, env: dict, ctx: Context, where: str, fix_missing: str) 
 def check_python_env(conn: Connection, ctx: Context, facts: Facts) -> list[Check]:
     """runtime: process — the node's Python must import torch and deepspeed."""
     env = {"DZ_NCCL_TEST": "1"} if ctx.gpu else {}
+    if ctx.spec.zero.nvme_path:
+        env["DZ_AIO_TEST"] = "1"
     if ctx.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ctx.node.gpus))
     result = _run(conn, [ctx.python, "-c", PYTHON_PROBE], timeout=CONTAINER_S, env=env)
@@ -490,6 +499,8 @@ def check_container(conn: Connection, ctx: Context, facts: Facts) -> list[Check]
     argv = ["docker", "run", "--rm", "--network", "host", "--ipc", "host", *docker_ulimits(ctx.spec)]
     if ctx.gpu:
         argv += ["--gpus", '"device=' + ",".join(map(str, ctx.node.gpus)) + '"', "--env", "DZ_NCCL_TEST=1"]
+    if ctx.spec.zero.nvme_path:
+        argv += ["--env", "DZ_AIO_TEST=1"]
     argv += ["--entrypoint", "sh", ctx.spec.image, "-c", CONTAINER_SCRIPT, "sh", PYTHON_PROBE]
     result = _run(conn, argv, timeout=CONTAINER_S)
     # Mostly the container's start and its Python importing torch: reported apart from

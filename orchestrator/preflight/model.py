@@ -76,6 +76,8 @@ class PreflightReport:
     container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node
     # The collective check's figures (preflight/collective.py); None until it ran or was skipped.
     collective: dict | None = None
+    # Per host, zero.nvme_path where usable: free_bytes, read_bytes_per_s, write_bytes_per_s.
+    nvme: dict[str, dict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -100,5 +102,6 @@ class PreflightReport:
             "infiniband": self.infiniband,
             "container_probe_s": self.container_probe_s,
             "collective": self.collective,
+            "nvme": self.nvme,
             "hosts": [h.to_dict() for h in self.hosts],
         }

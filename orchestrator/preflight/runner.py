@@ -25,6 +25,7 @@ from ..plan import LaunchPlan, make_plan
 from ..spec import JobSpec, LoadedJob
 from ..ssh import Connection, HostPool, LocalConnection, Result
 from . import checks as c
+from . import nvme
 from . import parsers as p
 from .model import Check, HostReport, PreflightReport, fail, ok, warn
 
@@ -44,6 +45,8 @@ CHECK_ORDER = (
     "shm-memlock",
     "image-runtime",
     "python-env",
+    "nvme",
+    "nvme-aio",
     "same-everywhere",
     "collective",
 )
@@ -123,8 +126,9 @@ def run_preflight(
     # 2. per-node checks.
     master_target = _master_target(spec, pool, hosts[0])
     facts = {h: c.Facts() for h in reachable}
+    nvme_need = _nvme_need(job, plan)
     per_node = pool.map(
-        lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target), reachable
+        lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target, nvme_need), reachable
     )
     for host, outcome in per_node.items():
         reports[host].checks += _as_checks(outcome, "checks")
@@ -180,6 +184,7 @@ def run_preflight(
         },
         infiniband={h: f.infiniband for h, f in facts.items() if f.infiniband},
         container_probe_s={h: round(f.container_probe_s, 3) for h, f in facts.items() if f.container_probe_s},
+        nvme={h: f.nvme for h, f in facts.items() if f.nvme},
     )
 
 
@@ -189,7 +194,21 @@ def _as_checks(outcome, name: str) -> list[Check]:
     return [outcome] if isinstance(outcome, Check) else list(outcome)
 
 
-def _node_checks(conn: Connection, ctx: c.Context, facts: c.Facts, master_target: str | None) -> list[Check]:
+def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan) -> int | None:
+    """Bytes per node that offload to NVMe needs (the planner's figure), when the job fixes offload: nvme."""
+    if not isinstance(job, LoadedJob) or job.spec.zero.offload != "nvme":
+        return None
+    from ..memory import nvme_bytes_per_node
+
+    try:
+        return nvme_bytes_per_node(job, max(n.slots for n in plan.nodes), plan.world_size)
+    except DzError:
+        return None  # the model's shape is unknown here: the planner says so at launch
+
+
+def _node_checks(
+    conn: Connection, ctx: c.Context, facts: c.Facts, master_target: str | None, nvme_need: int | None = None
+) -> list[Check]:
     """One node's checks. Independent groups run at once, each on its own channel of the one connection:
     on a real cluster each command costs a round trip and a session start, so this saves most of the wait."""
     groups = [
@@ -214,6 +233,12 @@ def _node_checks(conn: Connection, ctx: c.Context, facts: c.Facts, master_target
         checks += [cuda] if cuda else []
         stack = c.gpu_stack_check(facts.image_labels)
         checks += [stack] if stack else []
+    if ctx.spec.zero.nvme_path:
+        # After the group that ran the job's Python (facts.env holds its async_io answer).
+        where = "in the image" if ctx.docker else f"{ctx.python} on the node"
+        found, usable = nvme.check_nvme(conn, ctx.python, ctx.spec.zero.nvme_path, nvme_need, facts.env, where)
+        checks += found
+        facts.nvme = nvme.reading_dict(usable) if usable else None
     return checks
 
 

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from . import run  # torch, transformers, deepspeed: only now
 
         cuda_arch_default()
-        run.train(loaded, output_dir=output_dir, ds_config_path=args.ds_config, save=not args.no_save, log=log)
+        save = not args.no_save and loaded.spec.train.save  # either one turns saving off
+        run.train(loaded, output_dir=output_dir, ds_config_path=args.ds_config, save=save, log=log)
         return 0
     except BaseException as exc:  # every failure must leave an error event
         if isinstance(exc, SystemExit) and exc.code in (0, None):

@@ -35,7 +35,7 @@ from transformers import set_seed as hf_set_seed
 from .. import dsconfig, fusedloss
 from ..errors import InputError
 from ..spec import LoadedJob
-from . import attention, checkpoints, data, gang, loss, packing
+from . import attention, checkpoints, data, gang, lora, loss, packing
 from .collate import PackedCollator
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
@@ -284,6 +284,13 @@ class DzTrainer(Trainer):
     tokens_seen = 0  # real (non-pad) tokens
     processed_seen = 0  # every position computed, padding included
     samples_seen = 0
+    lora_base_name: str | None = None  # set for train.method: lora (the adapter's base model)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self.lora_base_name is None:
+            return super().save_model(output_dir, _internal_call)
+        # LoRA: gather and write the adapter only, never the whole base (see lora.py).
+        lora.save_adapter(self.model, Path(output_dir or self.args.output_dir), self.lora_base_name)
 
     def training_step(self, model, inputs, *args, **kwargs):
         real, processed, examples = batch_tokens(inputs)
@@ -566,7 +573,14 @@ def train(
     packed = settings.packing and spec.data.path != data.SYNTHETIC
     kernel = attention.choose_kernel() if packed else None
     model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
-    loss.apply_fused_loss(model, fused_loss)  # before the Trainer: it reads the forward's signature
+    # Before the adapters wrap it (Liger patches the base model's own modules), and before
+    # the Trainer, which reads the forward's signature.
+    loss.apply_fused_loss(model, fused_loss)
+    if spec.train.method == "lora":
+        model = lora.wrap(model, loaded)
+        if ranks.rank == 0:
+            trainable, total = lora.trainable_summary(model)
+            print(f"dzctl-train: LoRA: {trainable:,} of {total:,} parameters train", flush=True)
     used = f"{attention.NAME}/{kernel}" if kernel else str(model.config._attn_implementation)
     if ranks.rank == 0:
         print(f"dzctl-train: packing {packed}, attention {used}", flush=True)
@@ -586,9 +600,13 @@ def train(
         callbacks=[callback],
     )
     callback.trainer = trainer
+    if spec.train.method == "lora":
+        trainer.lora_base_name = lora.base_name(loaded, output_dir)
     result = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
     final_dir = None
-    if save:
+    if save and spec.train.method == "lora":
+        final_dir = lora.save_outputs(trainer, loaded, output_dir, ranks.rank)
+    elif save:
         final_dir = output_dir / CONSOLIDATED
         trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0
         if ranks.rank == 0:

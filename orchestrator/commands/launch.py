@@ -24,7 +24,7 @@ from ..preflight.render import print_report
 from ..spec import LoadedJob, read_env_file
 from ..ssh import HostPool
 from ..store import JobStore
-from .follow import follow_job
+from .follow import follow_job, output_mode
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,13 @@ def memory_choice(
     default=None,
     help="Stream every node's output until the job ends (default on a terminal), or return once all nodes run.",
 )
+@click.option("--raw", is_flag=True, help="With --follow: the ranks' own interleaved output instead of the view.")
 @click.option("--replace", is_flag=True, help="Stop a running job of the same name first.")
 @click.option("--no-distribute", is_flag=True, help="Do not copy the image to nodes that lack it; fail instead.")
 @json_option
 def launch_command(
     job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
-    dry_run, follow, replace, no_distribute, as_json,
+    dry_run, follow, raw, replace, no_distribute, as_json,
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
@@ -146,7 +147,9 @@ def launch_command(
                     running = {"job": plan.job, "job_id": plan.job_id, "state": "running", "phases_s": phases.seconds}
                     click.echo(json.dumps(running))
                 return
-            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json)
+            # With --json, stdout keeps its one object: the plain lines (or --raw) go to stderr.
+            mode = output_mode(raw, sys.stderr if as_json else sys.stdout)
+            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json, mode=mode)
     if as_json:
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":

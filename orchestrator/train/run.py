@@ -35,6 +35,7 @@ from transformers import set_seed as hf_set_seed
 from .. import dsconfig
 from ..errors import InputError
 from ..spec import LoadedJob
+from ..trackers import tracker_env
 from . import checkpoints, data, gang
 from .progress import ProgressLog, finite
 from .tokenizer import load_tokenizer
@@ -193,7 +194,7 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         save_on_each_node=train.output_storage == "node-local",
         logging_strategy="steps",
         logging_steps=train.logging_steps,
-        report_to="none",
+        report_to=list(train.report_to) or "none",
         disable_tqdm=True,
         # Used when the DeepSpeed config has no "optimizer" section (no optimizer offload):
         # torch's fused AdamW on GPUs (one kernel), the plain one on CPU.
@@ -485,6 +486,8 @@ def train(
     config = model_config(loaded)
     _check_vocab(config, len(tokenizer), loaded)
     dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
+    for key, value in tracker_env(spec.train.report_to, str(output_dir), os.environ.get("DZCTL_JOB_ID", "run")).items():
+        os.environ.setdefault(key, value)  # the job's own launch.env wins (a tracking server, online wandb)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume = _agree_on_resume(resume, output_dir)

@@ -52,6 +52,10 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
     end = watch.last("end")
     if end and end.get("path"):
         parts.append(Text(f"model {end['path']}", style="bold"))
+    notes = [m for m in watch.messages.values() if m.level == "info"]
+    if notes:
+        parts.append(Text(f"latest: {max(notes, key=lambda m: m.first_seen).text}", style="dim", no_wrap=True,
+                          overflow="ellipsis"))  # fmt: skip
     parts.append(_messages(watch))
     if watch.first_failure:
         f = watch.first_failure

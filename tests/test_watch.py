@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
 
+from orchestrator.busy import busy
 from orchestrator.lines import event_line, final_line, message_line
 from orchestrator.view import render
 from orchestrator.watchstate import JobWatch, NodeView, block_chart, classify, ema, sparkline
@@ -139,3 +142,18 @@ def test_the_controller_import_path_never_loads_matplotlib(tmp_path):
     env = {**os.environ, "DZCTL_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+class _Pipe(io.StringIO):
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_long_step_says_it_is_still_going_and_a_short_one_stays_silent():
+    slow, quick = _Pipe(), _Pipe()
+    with busy("preflight: checking 8 node(s)", after_s=0.05, stream=slow):
+        time.sleep(0.3)
+    with busy("uploading", after_s=1.0, stream=quick):
+        pass
+    assert slow.getvalue() == "preflight: checking 8 node(s) (still going after 0.05 s)\n"
+    assert quick.getvalue() == ""

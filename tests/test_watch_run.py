@@ -144,12 +144,13 @@ def test_live_view_in_a_real_terminal(tmp_path):
     tmux = ["tmux", "-L", socket_name]
     steps = 60
     script = tmp_path / "run.sh"
-    argv = _launch_argv(tmp_path / "remote", f"watch-{uuid.uuid4().hex[:6]}", steps, "train.save_steps=25")
+    name = f"watch-{uuid.uuid4().hex[:6]}"
+    argv = _launch_argv(tmp_path / "remote", name, steps, "train.save_steps=25")
     exports = "".join(f"export {k}={json.dumps(v)}\n" for k, v in _env(tmp_path / "home").items() if k.isidentifier())
     script.write_text(
         f"{exports}cd {json.dumps(str(ROOT))}\n"
         + " ".join(json.dumps(a) for a in argv)
-        + "\necho DZCTL-EXIT=$?\nsleep 600\n"
+        + f"\necho DZCTL-EXIT=$?\n{' '.join(_dzctl())} status {name}\necho STATUS-EXIT=$?\nsleep 600\n"
     )
     subprocess.run([*tmux, "new-session", "-d", "-s", "w", "-x", "120", "-y", "45", "bash", str(script)], check=True)
     try:
@@ -160,8 +161,11 @@ def test_live_view_in_a_real_terminal(tmp_path):
             screen = subprocess.run(
                 [*tmux, "capture-pane", "-p", "-t", "w"], capture_output=True, text=True, check=True
             ).stdout
-            if "DZCTL-EXIT=" in screen:
-                end = screen
+            if "STATUS-EXIT=" in screen:
+                # The whole pane, scrolled-off lines too: the view's end state, then `dzctl status`.
+                end = subprocess.run(
+                    [*tmux, "capture-pane", "-p", "-t", "w", "-S", "-300"], capture_output=True, text=True, check=True
+                ).stdout
                 break
             shown = re.search(rf"step (\d+)/{steps}", screen)
             if "RUNNING" in screen and shown and re.search(r"loss \d+\.\d{4}", screen):
@@ -177,7 +181,11 @@ def test_live_view_in_a_real_terminal(tmp_path):
             assert "dzctl-progress" not in screen and "{'loss'" not in screen
             assert re.search(r"smoothed \d+\.\d{4} \(EMA 0\.9\)", screen)
             assert "tok/s total" in screen and "localhost" in screen
-        assert "DZCTL-EXIT=0" in end, end
+        assert "DZCTL-EXIT=0" in end and "STATUS-EXIT=0" in end, end
+        view_end, status = end.split("DZCTL-EXIT=0")
+        # On a terminal, `dzctl status JOB` adds a small loss chart of the run's history.
+        assert f"loss over {steps} logged steps" in status and "┤" in status, status
+        end = view_end
         assert "SUCCEEDED" in end and f"step {steps}/{steps}" in end, end
         assert "checkpoints at step 25, 50, 60" in end, end
         warnings = re.findall(r"^\s*warning\s+\[[^\]]+\]\s+(.+)$", end, re.MULTILINE)

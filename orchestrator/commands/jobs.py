@@ -59,8 +59,9 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
                 # The same view as launch --follow (plain lines when not a terminal); it only looks.
                 follow_job(record, pool, store, mode=output_mode(False), stop_gang=False)
                 return
+            chart: list[str] = []
             if plot_path is not None or (not as_json and not watch and sys.stdout.isatty()):
-                _history_outputs(record, pool, plot_path)
+                chart = _history_outputs(record, pool, plot_path)
             while True:
                 status = _refresh(record, store, pool)
                 if as_json:
@@ -70,13 +71,15 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
                     for tracker, folder in tracker_locations(record).items():
                         fetch = f"dzctl logs {record.job_id} --fetch DIR"
                         click.echo(f"{tracker}: {record.hosts[0]}:{folder}  (copy it here: {fetch})")
+                    if chart:
+                        click.echo("\n".join(chart))
                 if not watch or status.state in FINAL_STATES:
                     return
                 time.sleep(interval)
 
 
-def _history_outputs(record: JobRecord, pool: HostPool, plot_path: Path | None) -> None:
-    """The plot file, and on a terminal the loss chart and where the trackers write (before the status)."""
+def _history_outputs(record: JobRecord, pool: HostPool, plot_path: Path | None) -> list[str]:
+    """Writes the plot file when asked; returns the terminal's loss chart (none when not a terminal)."""
     events = progress_history(record, pool)
     if plot_path is not None:
         from ..plot import write_plot  # matplotlib only when asked for
@@ -87,8 +90,8 @@ def _history_outputs(record: JobRecord, pool: HostPool, plot_path: Path | None) 
         losses = [e["loss"] for e in events if e.get("event") == "step" and e.get("loss") is not None]
         chart = block_chart(losses, width=60, height=6)
         if chart:
-            click.echo(f"loss over {len(losses)} logged steps")
-            click.echo("\n".join(chart))
+            return [f"loss over {len(losses)} logged steps", *chart]
+    return []
 
 
 def _summary(record: JobRecord) -> dict:

@@ -11,6 +11,7 @@ import time
 import click
 from rich.console import Console
 
+from ..busy import busy
 from ..dsconfig import BF16_MIN_COMPUTE_CAPABILITY, Resolved, bf16_supported_by
 from ..errors import RuntimeFailure, SpecError
 from ..hostfile import Node
@@ -95,7 +96,7 @@ def launch_command(
     phases = Phases()
     started_at = time.monotonic()
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
-        with phases.timed("preflight"):
+        with phases.timed("preflight"), busy(f"preflight: checking {len(nodes)} node(s)"):
             report = run_preflight(job, nodes, pool)
         if job.spec.runtime == "docker" and not no_distribute and _image_missing(report):
             # The one failure launch repairs itself: ship the image, then check again.

@@ -7,6 +7,7 @@ import json
 import click
 from rich.console import Console
 
+from ..busy import busy
 from ..errors import RuntimeFailure
 from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options, ssh_options
 from ..preflight import print_report, run_preflight
@@ -24,7 +25,10 @@ def preflight_command(
     """Check every node of JOB (SSH, GPUs, Docker, image, network, disk) and say how to fix what fails."""
     job = load_job_from_options(job_file, overrides, runtime)
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
-    with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
+    with (
+        HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool,
+        busy(f"preflight: checking {len(nodes)} node(s)"),
+    ):
         report = run_preflight(job, nodes, pool)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

@@ -507,10 +507,14 @@ def train(
     final_dir = None
     if save:
         final_dir = output_dir / CONSOLIDATED
+        if ranks.rank == 0:  # a 72B model takes minutes here: say so, for the watcher's view
+            print(f"dzctl-train: consolidating the model into {final_dir} (gathering the ZeRO-3 shards)", flush=True)
+        consolidating = time.perf_counter()
         trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0
         if ranks.rank == 0:
             tokenizer.save_pretrained(str(final_dir))
             checkpoints.check_consolidated(final_dir, expected_shapes(trainer.model))
+            print(f"dzctl-train: model consolidated in {time.perf_counter() - consolidating:.1f} s", flush=True)
     peaks = gather_memory_peaks()
     if ranks.rank == 0:
         state = trainer.state

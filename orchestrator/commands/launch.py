@@ -148,8 +148,9 @@ def launch_command(
                     running = {"job": plan.job, "job_id": plan.job_id, "state": "running", "phases_s": phases.seconds}
                     click.echo(json.dumps(running))
                 return
-            # With --json, stdout keeps its one object: the plain lines (or --raw) go to stderr.
-            mode = output_mode(raw, sys.stderr if as_json else sys.stdout)
+            # With --json, stdout keeps its one object and stderr the ranks' raw stream, as before:
+            # a script asking for JSON wants every line, each prefixed with its rank and host.
+            mode = "raw" if as_json else output_mode(raw)
             status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json, mode=mode)
     if as_json:
         click.echo(json.dumps(status.to_dict()))

@@ -89,6 +89,18 @@ def test_piped_follow_prints_plain_lines_at_most_two_per_step(piped_run):
     assert after[-1].startswith(f"succeeded  {piped_run['job_id']}")
 
 
+def test_status_watch_off_a_terminal_replays_the_job_as_plain_lines(piped_run):
+    proc = subprocess.run(
+        [*_dzctl(), "status", piped_run["job_id"], "--watch"],
+        cwd=ROOT, env=_env(piped_run["home"]), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [x.split()[1] for x in lines if x.startswith("step ")] == [f"{s}/{STEPS}" for s in range(1, STEPS + 1)]
+    assert "dzctl-progress" not in proc.stdout and len(set(lines)) == len(lines)
+    assert lines[-1].startswith(f"succeeded  {piped_run['job_id']}")
+
+
 def test_status_plot_stores_the_series_it_draws(piped_run, tmp_path):
     from PIL import Image
 

@@ -90,14 +90,16 @@ def follow_job(
         raise SystemExit(130) from None
     status = gather_status(store.get(record.job_id), pool)
     store.set_state(record.job_id, status.state)
+    # A job that had already ended (status --watch afterwards): its recorded end, not now.
+    ended = store.get(record.job_id).finished or time.time()
     with lock:
-        watch.state, watch.first_failure, watch.ended_at = status.state, status.first_failure, time.time()
+        watch.state, watch.first_failure, watch.ended_at = status.state, status.first_failure, ended
         watch.set_nodes({n.node_rank: (n.state, n.exit_code) for n in status.nodes}, status.state)
     if live is not None:
         live.refresh()
         live.stop()
     elif mode == "lines":
-        out.write(final_line(watch, time.time()) + "\n")
+        out.write(final_line(watch, ended) + "\n")
         out.flush()
     return status
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, RuntimeFailure
 from .view import EMA_FACTOR
 from .watchstate import ema
 
@@ -49,7 +49,9 @@ def write_plot(events: list[dict], path: Path, title: str) -> dict[str, dict[str
 
     series = plot_series(events)
     if not series["loss"][0]:
-        raise InputError(f"{title}: no step has been logged yet: nothing to plot")
+        raise RuntimeFailure(
+            f"{title}: no step has been logged yet: nothing to plot", fix="plot again once the job has logged steps"
+        )
     smoothed_name = f"smoothed loss (EMA {EMA_FACTOR})"
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     loss_ax, lr_ax, rate_ax = axes

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from orchestrator.busy import busy
@@ -157,3 +158,14 @@ def test_a_long_step_says_it_is_still_going_and_a_short_one_stays_silent():
         pass
     assert slow.getvalue() == "preflight: checking 8 node(s) (still going after 0.05 s)\n"
     assert quick.getvalue() == ""
+
+
+def test_plot_refuses_a_name_that_is_not_png_and_a_job_without_steps(tmp_path):
+    from orchestrator.errors import InputError, RuntimeFailure
+    from orchestrator.plot import write_plot
+
+    with pytest.raises(InputError, match="written as PNG"):
+        write_plot([], tmp_path / "loss.jpg", title="job")
+    with pytest.raises(RuntimeFailure, match="no step has been logged yet"):
+        write_plot([{"event": "start", "step": 0}], tmp_path / "loss.png", title="job")
+    assert not (tmp_path / "loss.png").exists()

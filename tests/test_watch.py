@@ -169,3 +169,36 @@ def test_plot_refuses_a_name_that_is_not_png_and_a_job_without_steps(tmp_path):
     with pytest.raises(RuntimeFailure, match="no step has been logged yet"):
         write_plot([{"event": "start", "step": 0}], tmp_path / "loss.png", title="job")
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_rank_output_is_prefixed_line_by_line_and_read_back_as_ranks():
+    from orchestrator.train.rankprefix import RankPrefixed
+
+    sink = _Pipe()
+    stream = RankPrefixed(sink, "[rank3]:")
+    print('dzctl-progress {"event": "step", "step": 1}', file=stream)  # print: the text, then "\n", separately
+    stream.write("a warning\n  its source line\npartial ")
+    stream.write("line\n\n")
+    assert sink.getvalue() == (
+        '[rank3]:dzctl-progress {"event": "step", "step": 1}\n'
+        "[rank3]:a warning\n[rank3]:  its source line\n[rank3]:partial line\n\n"
+    )
+    watch = _watch()
+    for line in sink.getvalue().splitlines():
+        watch.feed(0, line, 1.0)
+    assert watch.events == [{"event": "step", "step": 1}]
+    message = watch.messages["a warning"]
+    assert message.ranks == {3} and message_line(message) == "warning [rank 3]  a warning"
+
+
+def test_only_launched_multi_rank_runs_get_the_prefix(monkeypatch):
+    from orchestrator.train import rankprefix
+
+    out, err = _Pipe(), _Pipe()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    rankprefix.prefix_rank_output({"RANK": "0", "WORLD_SIZE": "1"})
+    assert sys.stdout is out
+    rankprefix.prefix_rank_output({"RANK": "1", "WORLD_SIZE": "2"})
+    print("hello")
+    assert out.getvalue() == "[rank1]:hello\n" and isinstance(sys.stderr, rankprefix.RankPrefixed)

@@ -84,6 +84,8 @@ def test_piped_follow_prints_plain_lines_at_most_two_per_step(piped_run):
     # Every rank printed the same warnings; each is shown once.
     assert len(set(after)) == len(after), after
     assert sum("FutureWarning" in x for x in after) <= 1
+    # Messages name the ranks that printed them (the trainer prefixes its lines with "[rankN]:").
+    assert any(x.startswith("note [rank 0]  dzctl-train: 2 ranks") for x in after), after
     assert any(x.startswith("checkpoint  step 10: ") for x in after)
     assert any(x.startswith("end  step 20/20") for x in after)
     assert after[-1].startswith(f"succeeded  {piped_run['job_id']}")

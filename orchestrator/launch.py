@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .busy import busy
 from .errors import InputError, RemoteError, RuntimeFailure
 from .jobfiles import JobFile, shipped_data
 from .nodeops import list_job_containers_argv
@@ -172,7 +173,7 @@ def start_job(
         ssh_config=ssh_config,
     )
     try:
-        with phases.timed("upload"):
+        with phases.timed("upload"), busy(f"uploading the job files to {len(plan.nodes)} node(s)"):
             upload(job, plan, files, pool)
     except Exception:
         store.set_state(plan.job_id, "failed", reason="upload failed")

@@ -109,3 +109,13 @@ def list_job_containers_argv(label: str, value: str) -> list[str]:
 
 def progress_argv(output_dir: str, lines: int = 200) -> list[str]:
     return ["tail", "-n", str(lines), f"{output_dir}/progress.jsonl"]
+
+
+def read_file_argv(path: str) -> list[str]:
+    """The whole file (the progress history for plots and charts)."""
+    return ["cat", path]
+
+
+def list_files_argv(directory: str) -> list[str]:
+    """Every file under a directory, one path a line (the tracker event files to fetch)."""
+    return ["find", directory, "-type", "f"]

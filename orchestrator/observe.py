@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from .errors import RemoteError
-from .nodeops import NodeState, inspect_argv, logs_argv, parse_inspect, progress_argv, remove_argv, stop_argv
+from .nodeops import (
+    NodeState,
+    inspect_argv,
+    list_files_argv,
+    logs_argv,
+    parse_inspect,
+    progress_argv,
+    read_file_argv,
+    remove_argv,
+    stop_argv,
+)
 from .ssh import HostPool
 from .status import (
     GANG_LINE,
@@ -17,11 +29,13 @@ from .status import (
     failure_sequence,
     failure_sequence_in_log,
     first_failure,
+    job_events,
     node_failed,
     node_status,
     parse_progress,
 )
 from .store import JobRecord
+from .trackers import tracker_dirs
 
 INSPECT_TIMEOUT_S = 30
 STOP_TIMEOUT_S = 60
@@ -94,6 +108,52 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         first_failure=first_failure(nodes, reasons, sequence, gang_stopped),
         preflight=record.preflight,
     )
+
+
+def progress_history(record: JobRecord, pool: HostPool) -> list[dict]:
+    """Every progress event of this job (rank 0's whole progress.jsonl), for charts and plots."""
+    rank0 = record.plan["nodes"][0]
+    result = pool.connection(rank0["host"]).run(
+        read_file_argv(f"{rank0['output_dir']}/progress.jsonl"), timeout=INSPECT_TIMEOUT_S
+    )
+    if result.exit_code != 0:
+        return []  # no progress written yet (or the host is gone: status says which)
+    return job_events(result.stdout, record.job_id)
+
+
+def tracker_locations(record: JobRecord) -> dict[str, str]:
+    """``train.report_to`` tracker -> its folder on rank 0's node."""
+    report_to = record.spec.get("train", {}).get("report_to") or []
+    return tracker_dirs(report_to, record.plan["nodes"][0]["output_dir"], record.job_id)
+
+
+def fetch_outputs(record: JobRecord, pool: HostPool, dest: Path) -> list[Path]:
+    """Copy rank 0's progress.jsonl and the trackers' files into ``dest``, keeping their layout.
+
+    ``dest/progress.jsonl`` and ``dest/<path under output_dir>`` (e.g.
+    ``dest/tensorboard/<job_id>/events.out.tfevents...``): ``tensorboard --logdir dest``
+    then reads it as it would on the node.
+    """
+    rank0 = record.plan["nodes"][0]
+    output_dir = rank0["output_dir"].rstrip("/")
+    conn = pool.connection(rank0["host"])
+    remote = [f"{output_dir}/progress.jsonl"]
+    for folder in tracker_locations(record).values():
+        listing = conn.run(list_files_argv(folder), timeout=INSPECT_TIMEOUT_S)
+        if listing.exit_code == 0:
+            remote += [line for line in listing.stdout.splitlines() if line.startswith(folder + "/")]
+    written = []
+    for path in remote:
+        local = dest / path[len(output_dir) + 1 :]
+        local.parent.mkdir(parents=True, exist_ok=True)
+        data = conn.get(path)
+        if path.endswith("progress.jsonl"):
+            # Only this job's lines: the output dir's record also holds earlier runs'.
+            data = "".join(json.dumps(e) + "\n" for e in job_events(data.decode("utf-8", "replace"), record.job_id))
+            data = data.encode()
+        local.write_bytes(data)
+        written.append(local)
+    return written
 
 
 def _rank_of(record: JobRecord, host: str) -> int:
@@ -195,15 +255,23 @@ def stream_logs(
     tail: int | None,
     follow: bool,
     write: Callable[[str], None] | None = None,
+    on_lines: Callable[[int, str], None] | None = None,
 ) -> list[threading.Thread]:
-    """Start one thread per rank streaming its log, prefixed; returns the threads (join them)."""
+    """Start one thread per rank streaming its log, prefixed; returns the threads (join them).
+
+    ``on_lines(node_rank, text)``: instead of prefixed text to ``write``, hand each
+    node's whole lines, unprefixed, to this callback (the live view's feed).
+    """
     write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     lock = threading.Lock()
     threads = []
     for node in record.plan["nodes"]:
         if ranks is not None and node["node_rank"] not in ranks:
             continue
-        prefixer = LinePrefixer(f"[{node['node_rank']} {node['host']}] ", write, lock)
+        if on_lines is not None:
+            prefixer = LinePrefixer("", lambda text, rank=node["node_rank"]: on_lines(rank, text), lock)
+        else:
+            prefixer = LinePrefixer(f"[{node['node_rank']} {node['host']}] ", write, lock)
 
         def run(node=node, prefixer=prefixer) -> None:
             argv = logs_argv(record.runtime, node, _python(record), tail=tail, follow=follow)

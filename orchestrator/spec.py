@@ -92,6 +92,8 @@ class TrainSpec(_Strict):
     save: bool = True
     save_total_limit: int | None = Field(2, ge=1)
     logging_steps: int = Field(1, ge=1)
+    # HF Trainer integrations, written on rank 0's node under output_dir (see trackers.py).
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
     # None: ``<launch.remote_dir>/output/<name>`` on every node, stable across
     # relaunches so ``resume: auto`` finds the checkpoints.
     output_dir: str | None = None

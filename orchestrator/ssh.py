@@ -282,6 +282,8 @@ class Connection(Protocol):
 
     def mkdir(self, path: str, mode: int = 0o755) -> None: ...
 
+    def get(self, remote_path: str) -> bytes: ...
+
     def close(self) -> None: ...
 
     @property
@@ -558,6 +560,16 @@ class SSHConnection:
                 fix=f"check that {target.parent} exists on {self.host} and is writable by {self.config.user}",
             ) from None
 
+    def get(self, remote_path: str) -> bytes:
+        """Download one file (progress records, tracker event files: small enough to hold in memory)."""
+        sftp = self._sftp_client()
+        try:
+            with sftp.open(remote_path, "rb") as handle:
+                handle.prefetch()
+                return handle.read()
+        except (OSError, paramiko.SSHException) as exc:
+            raise RemoteError(f"{self.host}: download of {remote_path} failed: {exc}") from None
+
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         """``mkdir -p`` over SFTP (or ``mkdir -p`` itself where the server has no SFTP)."""
         sftp = self._sftp_client()
@@ -704,6 +716,12 @@ class LocalConnection:
         except OSError as exc:
             temp.unlink(missing_ok=True)
             raise RemoteError(f"{self.host}: writing {remote_path} failed: {exc}") from None
+
+    def get(self, remote_path: str) -> bytes:
+        try:
+            return Path(remote_path).read_bytes()
+        except OSError as exc:
+            raise RemoteError(f"{self.host}: reading {remote_path} failed: {exc}") from None
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         try:

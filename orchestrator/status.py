@@ -140,20 +140,7 @@ def parse_progress(
     last_step: dict | None = None
     last_time: float | None = None
     errors: list[dict] = []
-    events = []
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written as we read
-        if isinstance(event, dict):
-            events.append(event)
-    if job_id is not None and any(e.get("job_id") == job_id for e in events):
-        # A trainer that stamps lines (any since this field exists) and has written ours.
-        events = [e for e in events if e.get("job_id") == job_id]
-    elif job_id is not None and any("job_id" in e for e in events):
-        events = []  # only other jobs' lines so far
-    for event in events:
+    for event in job_events(text, job_id):
         stamp = event.get("time")
         if isinstance(stamp, (int, float)):
             last_time = float(stamp)
@@ -182,6 +169,24 @@ def parse_progress(
         }
     age = None if last_time is None else max(0.0, (now if now is not None else time.time()) - last_time)
     return progress, age, errors
+
+
+def job_events(text: str, job_id: str | None = None) -> list[dict]:
+    """The events of progress.jsonl text, only ``job_id``'s when given (see ``parse_progress``)."""
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written as we read
+        if isinstance(event, dict):
+            events.append(event)
+    if job_id is not None and any(e.get("job_id") == job_id for e in events):
+        # A trainer that stamps lines (any since this field exists) and has written ours.
+        events = [e for e in events if e.get("job_id") == job_id]
+    elif job_id is not None and any("job_id" in e for e in events):
+        events = []  # only other jobs' lines so far
+    return events
 
 
 def error_on_node(errors: list[dict], slots: list[int], node_rank: int) -> str | None:

@@ -397,3 +397,22 @@ def test_commands_at_once_share_the_one_connection(cluster):
     assert len({r.stdout.split(maxsplit=1)[1] for r in results[:5]}) == 1  # one client port: one connection
     assert results[5].exit_code == 1
     assert elapsed < 2.0  # five 0.5 s sleeps overlapped
+
+
+@pytest.mark.integration
+def test_download_returns_the_file_and_names_a_missing_one(cluster):
+    # `dzctl logs --fetch` copies progress records and TensorBoard event files back this way.
+    hosts = cluster(1)
+    host = hosts.hosts[0]
+    base = f"/tmp/dzctl-get-{uuid.uuid4().hex}"
+    payload = os.urandom(200_000)
+    try:
+        with HostPool([host.name], ssh_config=hosts.ssh_config) as pool:
+            conn = pool.connection(host.name)
+            conn.mkdir(base)
+            conn.put(payload, f"{base}/events.out.tfevents")
+            assert conn.get(f"{base}/events.out.tfevents") == payload
+            with pytest.raises(RemoteError, match=f"download of {base}/missing failed"):
+                conn.get(f"{base}/missing")
+    finally:
+        subprocess.run(["rm", "-rf", base], check=False)

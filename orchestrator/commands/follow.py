@@ -1,50 +1,145 @@
-"""Following a running job: merged, rank-prefixed output until every node has ended."""
+"""Following a running job until every node has ended: a live view, plain lines, or the raw stream.
+
+The fetching lives here (log streams, node-state polls, gang stop); what is
+shown is worked out by ``watchstate`` (pure) and drawn by ``view`` (a terminal)
+or ``lines`` (a pipe, CI, a file).
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import click
 
+from ..lines import event_line, final_line, message_line
 from ..observe import gather_status, node_states, stop_nodes, stream_logs
 from ..ssh import HostPool
-from ..status import JobStatus, state_failed
+from ..status import JobStatus, derive_state, node_status, state_failed
 from ..store import JobRecord, JobStore
+from ..watchstate import JobWatch, NodeView
 
 POLL_S = 2.0
+MODES = ("live", "lines", "raw")
 
 
-def follow_job(record: JobRecord, pool: HostPool, store: JobStore, *, quiet: bool = False) -> JobStatus:
-    """Stream logs, stop the others when one rank fails, record and return the final status.
+def output_mode(raw: bool, stream=None) -> str:
+    """A terminal gets the live view; a pipe or a file plain lines; ``--raw`` the ranks' own stream."""
+    if raw:
+        return "raw"
+    stream = stream or sys.stdout
+    return "live" if stream.isatty() else "lines"
 
-    The trainers' own gang watchdog stops the other nodes even with no dzctl
-    attached; an attached dzctl does it at once, on the first failed poll.
+
+def new_watch(record: JobRecord) -> JobWatch:
+    nodes = [NodeView(n["node_rank"], n["host"], n["slots"]) for n in record.plan["nodes"]]
+    accelerator = record.spec.get("accelerator", "gpu") if isinstance(record.spec, dict) else "gpu"
+    started = record.created or time.time()
+    return JobWatch(record.name, record.job_id, nodes, started_at=started, accelerator=accelerator)
+
+
+def follow_job(
+    record: JobRecord,
+    pool: HostPool,
+    store: JobStore,
+    *,
+    quiet: bool = False,
+    mode: str = "raw",
+    stop_gang: bool = True,
+) -> JobStatus:
+    """Follow the job, stop the others when one rank fails, record and return the final status.
+
+    ``quiet`` (``--json``): whatever is shown goes to stderr, stdout is kept for the
+    one JSON object. ``stop_gang``: ``launch --follow`` stops the surviving nodes
+    at the first failed poll; ``status --watch`` only looks. (The trainers' own
+    gang watchdog stops them too, with no dzctl attached, within its stale time.)
     """
-    write = (lambda text: (sys.stderr.write(text), sys.stderr.flush())) if quiet else None
-    threads = stream_logs(record, pool, ranks=None, tail=None, follow=True, write=write)
-    gang_stopped = False
+    out = sys.stderr if quiet else sys.stdout
+    watch = new_watch(record)
+    lock = threading.Lock()
+    live = None
+    if mode == "raw":
+        write = (lambda text: (out.write(text), out.flush())) if quiet else None
+        threads = stream_logs(record, pool, ranks=None, tail=None, follow=True, write=write)
+    else:
+
+        def on_lines(node_rank: int, text: str) -> None:
+            now = time.time()
+            with lock:
+                for line in text.splitlines():
+                    new = watch.feed(node_rank, line, now)
+                    if mode == "lines" and new is not None:
+                        kind, item = new
+                        shown = event_line(item, watch) if kind == "event" else message_line(item)
+                        if shown:
+                            out.write(shown + "\n")
+                out.flush()
+
+        threads = stream_logs(record, pool, ranks=None, tail=None, follow=True, on_lines=on_lines)
+        if mode == "live":
+            live = _start_live(watch, lock, quiet)
     try:
-        while True:
-            states = node_states(record, pool)
-            running = [r for r, s in states.items() if s.state in ("running", "created")]
-            failed = [r for r, s in states.items() if state_failed(s.state, s.exit_code)]
-            if failed and running and not gang_stopped:
-                click.echo(
-                    f"dzctl: rank {failed[0]} failed; stopping the other node(s): {', '.join(map(str, running))}",
-                    err=True,
-                )
-                stop_nodes(record, pool, remove=False, ranks=running)
-                gang_stopped = True
-                continue
-            if not running:
-                break
-            time.sleep(POLL_S)
+        _poll_until_ended(record, pool, watch, lock, stop_gang)
+        for thread in threads:
+            thread.join(timeout=10)  # the log streams end with their ranks
     except KeyboardInterrupt:
+        if live is not None:
+            live.stop()
         click.echo(f"\ndzctl: detached; the job keeps running. Stop it with: dzctl stop {record.job_id}", err=True)
         raise SystemExit(130) from None
-    for thread in threads:
-        thread.join(timeout=10)  # the log streams end with their ranks
     status = gather_status(store.get(record.job_id), pool)
     store.set_state(record.job_id, status.state)
+    # A job that had already ended (status --watch afterwards): its recorded end, not now.
+    ended = store.get(record.job_id).finished or time.time()
+    with lock:
+        watch.state, watch.first_failure, watch.ended_at = status.state, status.first_failure, ended
+        watch.set_nodes({n.node_rank: (n.state, n.exit_code) for n in status.nodes}, status.state)
+    if live is not None:
+        live.refresh()
+        live.stop()
+    elif mode == "lines":
+        out.write(final_line(watch, ended) + "\n")
+        out.flush()
     return status
+
+
+def _start_live(watch: JobWatch, lock: threading.Lock, quiet: bool):
+    from rich.console import Console
+    from rich.live import Live
+
+    from ..view import render
+
+    console = Console(stderr=quiet)
+
+    class _View:
+        # Live asks for the renderable on each refresh (its own thread): render under the feed's lock.
+        def __rich__(self):
+            with lock:
+                return render(watch, time.time(), console.width)
+
+    live = Live(_View(), console=console, refresh_per_second=4, transient=False)
+    live.start()
+    return live
+
+
+def _poll_until_ended(record: JobRecord, pool: HostPool, watch: JobWatch, lock: threading.Lock, stop_gang: bool):
+    gang_stopped = False
+    while True:
+        states = node_states(record, pool)
+        nodes = [node_status(n["host"], n["node_rank"], states[n["node_rank"]]) for n in record.plan["nodes"]]
+        with lock:
+            watch.set_nodes({r: (s.state, s.exit_code) for r, s in states.items()}, derive_state(record.state, nodes))
+        running = [r for r, s in states.items() if s.state in ("running", "created")]
+        failed = [r for r, s in states.items() if state_failed(s.state, s.exit_code)]
+        if stop_gang and failed and running and not gang_stopped:
+            click.echo(
+                f"dzctl: rank {failed[0]} failed; stopping the other node(s): {', '.join(map(str, running))}",
+                err=True,
+            )
+            stop_nodes(record, pool, remove=False, ranks=running)
+            gang_stopped = True
+            continue
+        if not running:
+            return
+        time.sleep(POLL_S)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import click
 
 from ..errors import DzError, RuntimeFailure
-from ..observe import gather_status, stop_nodes, stream_logs
+from ..observe import fetch_outputs, gather_status, progress_history, stop_nodes, stream_logs, tracker_locations
 from ..options import json_option, ssh_options
 from ..preflight.collective_result import describe_collective
 from ..ssh import HostPool
 from ..status import JobStatus
 from ..store import FINAL_STATES, JobRecord, JobStore
+from ..watchstate import block_chart
+from .follow import follow_job, output_mode
 
 
 def _pool(record: JobRecord, ssh_config: str | None, trust_new_hosts: bool) -> HostPool:
@@ -33,7 +37,14 @@ def _refresh(record: JobRecord, store: JobStore, pool: HostPool) -> JobStatus:
 @json_option
 @click.option("--watch", is_flag=True, help="Refresh every few seconds until the job ends.")
 @click.option("--interval", type=float, default=5.0, show_default=True, help="Seconds between --watch refreshes.")
-def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interval):
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write loss, smoothed loss, learning rate and tokens/s against step to this PNG (needs dzctl[plot]).",
+)
+def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interval, plot_path):
     """List jobs, or show one job's state as its hosts report it (JOB: name or id)."""
     with JobStore() as store:
         if job_ref is None:
@@ -45,17 +56,43 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
             return
         record = store.get(job_ref)
         with _pool(record, ssh_config, trust_new_hosts) as pool:
+            if watch and not as_json:
+                # The same view as launch --follow (plain lines when not a terminal); it only looks.
+                follow_job(record, pool, store, mode=output_mode(False), stop_gang=False)
+                return
+            chart: list[str] = []
+            if plot_path is not None or (not as_json and not watch and sys.stdout.isatty()):
+                chart = _history_outputs(record, pool, plot_path)
             while True:
                 status = _refresh(record, store, pool)
                 if as_json:
                     click.echo(json.dumps(status.to_dict()))
                 else:
-                    if watch:
-                        click.clear()
                     click.echo(render_status(status))
+                    for tracker, folder in tracker_locations(record).items():
+                        fetch = f"dzctl logs {record.job_id} --fetch DIR"
+                        click.echo(f"{tracker}: {record.hosts[0]}:{folder}  (copy it here: {fetch})")
+                    if chart:
+                        click.echo("\n".join(chart))
                 if not watch or status.state in FINAL_STATES:
                     return
                 time.sleep(interval)
+
+
+def _history_outputs(record: JobRecord, pool: HostPool, plot_path: Path | None) -> list[str]:
+    """Writes the plot file when asked; returns the terminal's loss chart (none when not a terminal)."""
+    events = progress_history(record, pool)
+    if plot_path is not None:
+        from ..plot import write_plot  # matplotlib only when asked for
+
+        write_plot(events, plot_path, title=record.job_id)
+        click.echo(f"plot: {plot_path}", err=True)
+    if sys.stdout.isatty():
+        losses = [e["loss"] for e in events if e.get("event") == "step" and e.get("loss") is not None]
+        chart = block_chart(losses, width=60, height=6)
+        if chart:
+            return [f"loss over {len(losses)} logged steps", *chart]
+    return []
 
 
 def _summary(record: JobRecord) -> dict:
@@ -122,14 +159,25 @@ def render_status(status: JobStatus) -> str:
 @click.option("--rank", type=int, default=None, help="Only this node rank.")
 @click.option("--follow", "-f", is_flag=True, help="Keep streaming until the ranks end.")
 @click.option("--tail", type=int, default=None, help="Only the last N lines of each rank.")
+@click.option(
+    "--fetch",
+    "fetch_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Copy the job's progress.jsonl and tracker files (report_to) from rank 0's node into DIR.",
+)
 @ssh_options
-def logs_command(job_ref, rank, follow, tail, ssh_config, trust_new_hosts):
-    """Every node's output, each line prefixed with its rank and host."""
+def logs_command(job_ref, rank, follow, tail, fetch_dir, ssh_config, trust_new_hosts):
+    """Every node's output, each line prefixed with its rank and host (the raw stream)."""
     with JobStore() as store:
         record = store.get(job_ref)
     if rank is not None and not 0 <= rank < len(record.hosts):
         raise click.BadParameter(f"job {record.job_id} has ranks 0-{len(record.hosts) - 1}", param_hint="--rank")
     with _pool(record, ssh_config, trust_new_hosts) as pool:
+        if fetch_dir is not None:
+            written = fetch_outputs(record, pool, fetch_dir)
+            click.echo(f"copied {len(written)} file(s) from {record.hosts[0]} into {fetch_dir}")
+            return
         threads = stream_logs(record, pool, ranks=None if rank is None else [rank], tail=tail, follow=follow)
         try:
             for thread in threads:

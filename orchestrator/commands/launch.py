@@ -11,6 +11,7 @@ import time
 import click
 from rich.console import Console
 
+from ..busy import busy
 from ..dsconfig import BF16_MIN_COMPUTE_CAPABILITY, Resolved, bf16_supported_by
 from ..errors import RuntimeFailure, SpecError
 from ..hostfile import Node
@@ -34,7 +35,7 @@ from ..preflight.render import print_report
 from ..spec import LoadedJob, read_env_file
 from ..ssh import HostPool
 from ..store import JobStore
-from .follow import follow_job
+from .follow import follow_job, output_mode
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +101,14 @@ def memory_choice(
     default=None,
     help="Stream every node's output until the job ends (default on a terminal), or return once all nodes run.",
 )
+@click.option("--raw", is_flag=True, help="With --follow: the ranks' own interleaved output instead of the view.")
 @click.option("--replace", is_flag=True, help="Stop a running job of the same name first.")
 @click.option("--no-distribute", is_flag=True, help="Do not copy the image to nodes that lack it; fail instead.")
 @collective_options
 @json_option
 def launch_command(
     job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
-    dry_run, follow, replace, no_distribute, skip_collective, collective_timeout, as_json,
+    dry_run, follow, raw, replace, no_distribute, skip_collective, collective_timeout, as_json,
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
@@ -122,7 +124,7 @@ def launch_command(
     phases = Phases()
     started_at = time.monotonic()
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
-        with phases.timed("preflight"):
+        with phases.timed("preflight"), busy(f"preflight: checking {len(nodes)} node(s)"):
             report = run_preflight(job, nodes, pool)
         if job.spec.runtime == "docker" and not no_distribute and _image_missing(report):
             # The one failure launch repairs itself: ship the image, then check again.
@@ -181,7 +183,10 @@ def launch_command(
                     running = {"job": plan.job, "job_id": plan.job_id, "state": "running", "phases_s": phases.seconds}
                     click.echo(json.dumps(running))
                 return
-            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json)
+            # With --json, stdout keeps its one object and stderr the ranks' raw stream, as before:
+            # a script asking for JSON wants every line, each prefixed with its rank and host.
+            mode = "raw" if as_json else output_mode(raw)
+            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json, mode=mode)
     if as_json:
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":

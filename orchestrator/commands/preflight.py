@@ -7,6 +7,7 @@ import json
 import click
 from rich.console import Console
 
+from ..busy import busy
 from ..errors import RuntimeFailure
 from ..options import (
     collective_options,
@@ -35,7 +36,10 @@ def preflight_command(
     """Check every node of JOB (SSH, GPUs, Docker, image, network, disk) and say how to fix what fails."""
     job = load_job_from_options(job_file, overrides, runtime)
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
-    with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
+    with (
+        HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool,
+        busy(f"preflight: checking {len(nodes)} node(s)"),
+    ):
         report = run_preflight(job, nodes, pool)
         # Last: it starts the job's launcher on every node, which needs what the other checks check.
         collective_unless_skipped(job.spec, nodes, pool, report, skip=skip_collective, timeout_s=collective_timeout)

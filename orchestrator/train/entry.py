@@ -77,6 +77,9 @@ def single_rank_defaults(env=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     single_rank_defaults()
+    from .rankprefix import prefix_rank_output
+
+    prefix_rank_output()  # "[rankN]:" on each line: the live view says which ranks printed what
     log: ProgressLog | None = None
     try:
         loaded = load_job(args.job, args.overrides)

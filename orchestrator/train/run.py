@@ -35,6 +35,7 @@ from transformers import set_seed as hf_set_seed
 from .. import dsconfig, fusedloss
 from ..errors import InputError
 from ..spec import LoadedJob
+from ..trackers import tracker_env
 from . import attention, checkpoints, data, gang, lora, loss, packing
 from .collate import PackedCollator
 from .progress import ProgressLog, finite
@@ -198,7 +199,7 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         save_on_each_node=train.output_storage == "node-local",
         logging_strategy="steps",
         logging_steps=train.logging_steps,
-        report_to="none",
+        report_to=list(train.report_to) or "none",
         disable_tqdm=True,
         # Used when the DeepSpeed config has no "optimizer" section (no optimizer offload):
         # torch's fused AdamW on GPUs (one kernel), the plain one on CPU.
@@ -566,6 +567,8 @@ def train(
     if ranks.rank == 0:
         print(f"dzctl-train: loss {fused_loss} (train.fused_loss: {spec.train.fused_loss})", flush=True)
     dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
+    for key, value in tracker_env(spec.train.report_to, str(output_dir), os.environ.get("DZCTL_JOB_ID", "run")).items():
+        os.environ.setdefault(key, value)  # the job's own launch.env wins (a tracking server, online wandb)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume = _agree_on_resume(resume, output_dir)
@@ -608,10 +611,14 @@ def train(
         final_dir = lora.save_outputs(trainer, loaded, output_dir, ranks.rank)
     elif save:
         final_dir = output_dir / CONSOLIDATED
+        if ranks.rank == 0:  # a 72B model takes minutes here: say so, for the watcher's view
+            print(f"dzctl-train: consolidating the model into {final_dir} (gathering the ZeRO-3 shards)", flush=True)
+        consolidating = time.perf_counter()
         trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0
         if ranks.rank == 0:
             tokenizer.save_pretrained(str(final_dir))
             checkpoints.check_consolidated(final_dir, expected_shapes(trainer.model))
+            print(f"dzctl-train: model consolidated in {time.perf_counter() - consolidating:.1f} s", flush=True)
     peaks = gather_memory_peaks()
     if ranks.rank == 0:
         state = trainer.state

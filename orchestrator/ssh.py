@@ -401,8 +401,11 @@ class SSHConnection:
             transport = self._redial(transport)
         try:
             return transport.open_session(timeout=deadline.left() or DEFAULT_CONNECT_TIMEOUT)
-        except (paramiko.SSHException, OSError, EOFError):
-            if redialled or transport.is_active():
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            # A write to a closed socket (EOFError/OSError) means the link is gone even while
+            # paramiko's reader thread has not yet noticed and still calls the transport active.
+            link_gone = isinstance(exc, (EOFError, OSError)) or not transport.is_active()
+            if redialled or not link_gone:
                 raise  # once per command; and a live server that refuses (MaxSessions) did not drop us
         return self._redial(transport).open_session(timeout=deadline.left() or DEFAULT_CONNECT_TIMEOUT)
 

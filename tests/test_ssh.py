@@ -162,6 +162,23 @@ def test_many_quick_commands_on_one_connection_never_drop_it(cluster):
 
 
 @pytest.mark.integration
+def test_a_link_dropped_just_before_each_command_is_dialled_again_every_time(cluster):
+    """The race behind a flaky redial: the next command's channel request hits the closed socket
+    (EOFError from paramiko's writer) while its reader thread still calls the transport active.
+    No pause between the drop and the command, twenty times over, so the race is hit."""
+    hosts = cluster(1)
+    host = hosts.hosts[0]
+    with HostPool([host.name], ssh_config=hosts.ssh_config, connect_timeout=5) as pool:
+        conn = pool.connection(host.name)
+        ports = {conn.run(["sh", "-c", "echo $SSH_CONNECTION"], check=True).stdout.split()[1]}
+        for round_ in range(1, 21):
+            assert hosts.drop_connections(host), "no sshd session process found"
+            ports.add(conn.run(["sh", "-c", "echo $SSH_CONNECTION"], check=True).stdout.split()[1])
+            assert conn.redials == round_
+        assert len(ports) == 21  # every command ran on a new connection
+
+
+@pytest.mark.integration
 def test_a_connection_lost_between_commands_is_dialled_again(cluster):
     hosts = cluster(1)
     host = hosts.hosts[0]

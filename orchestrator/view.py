@@ -69,17 +69,20 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
 
 
 def _metrics(watch: JobWatch, last_step: dict | None, width: int) -> RenderableType:
-    grid = Table.grid(padding=(0, 2))
     if last_step is None:
-        grid.add_row(Text("waiting for the first step", style="dim"))
-        return grid
+        return Text("waiting for the first step", style="dim")
+    # One grid per line: in one shared grid the rate line's long cells would set the loss line's
+    # column widths and wrap "smoothed ..." over two lines on an 80-120 column terminal.
+    lines = []
     losses = [s["loss"] for s in watch.steps if s.get("loss") is not None]
     if losses:
         smoothed = ema(losses, EMA_FACTOR)[-1]
-        grid.add_row(
-            f"loss {losses[-1]:.4f}",
-            f"smoothed {smoothed:.4f} (EMA {EMA_FACTOR})",
-            Text(sparkline(losses, max(10, min(40, width - 62))), style="cyan", no_wrap=True),
+        lines.append(
+            _cells(
+                f"loss {losses[-1]:.4f}",
+                f"smoothed {smoothed:.4f} (EMA {EMA_FACTOR})",
+                Text(sparkline(losses, max(10, min(40, width - 62))), style="cyan", no_wrap=True),
+            )
         )
     per = "GPU" if watch.accelerator == "gpu" else "rank"
     rate = rate_text(last_step.get("tokens_per_s"), watch.world_size, per)
@@ -90,7 +93,16 @@ def _metrics(watch: JobWatch, last_step: dict | None, width: int) -> RenderableT
         row.append(f"processed {last_step['processed_tokens_per_s']:,.0f} tok/s")
     if last_step.get("padding_efficiency") is not None:
         row.append(f"padding efficiency {last_step['padding_efficiency']:.0%}")
-    grid.add_row(*row)
+    lines.append(_cells(*row))
+    return Group(*lines)
+
+
+def _cells(*cells: str | Text) -> Table:
+    """One line of cells two spaces apart; each cell whole or cut with an ellipsis, never wrapped."""
+    grid = Table.grid(padding=(0, 2))
+    for _ in cells:
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+    grid.add_row(*cells)
     return grid
 
 

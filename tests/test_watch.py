@@ -120,6 +120,24 @@ def test_the_view_shows_progress_loss_rate_nodes_checkpoints_and_messages_once()
     assert "[rank 1]" in text and "RuntimeError: something broke" in text
 
 
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_the_loss_line_stays_whole_beside_the_packed_rate_line(width):
+    """With packing the rate line carries processed tokens and padding efficiency too; it must
+    not squeeze the loss line's cells (they shared one grid and "smoothed" wrapped at 120)."""
+    watch = _watch()
+    for step, loss in [(1, 5.9), (2, 5.5), (3, 5.0)]:
+        event = {"event": "step", "step": step, "max_steps": 60, "epoch": 0.3, "loss": loss,
+                 "learning_rate": 0.003, "tokens_per_s": 4321.0, "processed_tokens_per_s": 4555.0,
+                 "padding_efficiency": 0.95, "eta_s": 60.0}  # fmt: skip
+        watch.feed(0, "dzctl-progress " + json.dumps(event), 11.0)
+    watch.set_nodes({0: ("running", None)}, "running")
+    lines = _text(render(watch, now=14.0), width=width).splitlines()
+    loss_line = next(line for line in lines if "loss 5.0000" in line)
+    assert f"smoothed {ema([5.9, 5.5, 5.0], 0.9)[-1]:.4f} (EMA 0.9)" in loss_line
+    rate_line = next(line for line in lines if line.startswith("lr "))
+    assert "useful 2,160 tok/s/rank" in rate_line and len(rate_line) <= width
+
+
 def test_ema_is_bias_corrected_and_sparkline_spans_the_range():
     assert ema([4.0, 4.0, 4.0], 0.9) == [4.0, 4.0, 4.0]
     assert ema([1.0, 0.0], 0.5) == [1.0, 1.0 / 3.0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import uuid
 from dataclasses import dataclass, field
 
@@ -86,8 +87,16 @@ try:
     out["deepspeed"] = deepspeed.__version__
 except Exception as exc:
     out["deepspeed_error"] = f"{type(exc).__name__}: {exc}"[:300]
+# DeepSpeed's JIT op builds lock their folder; a build killed mid-way leaves the lock, and every
+# later rank waits on it forever. The folder is the trainer's (train/environment.py) unless set.
+import glob, tempfile, time
+ext = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(tempfile.gettempdir(), "dzctl-torch-extensions")
+out["extension_locks"] = [[f, time.time() - os.path.getmtime(f)] for f in glob.glob(os.path.join(ext, "*", "lock"))]
 print("DZCTL_ENV " + json.dumps(out))
 """
+# A JIT op build takes minutes (async_io with cpu_adam took about 4 on a loaded 2-core machine);
+# a lock older than this is left by a build that was killed.
+STALE_EXTENSION_LOCK_S = 20 * 60
 # In a container: limits first (any image has sh and df), then the Python probe
 # with whichever interpreter the image has.
 CONTAINER_SCRIPT = (
@@ -389,6 +398,8 @@ def check_python_env(conn: Connection, ctx: Context, facts: Facts) -> list[Check
         env["DZ_AIO_TEST"] = "1"
     if ctx.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ctx.node.gpus))
+    if "TORCH_EXTENSIONS_DIR" in ctx.spec.launch.env:  # the ranks build their ops there
+        env["TORCH_EXTENSIONS_DIR"] = ctx.spec.launch.env["TORCH_EXTENSIONS_DIR"]
     result = _run(conn, [ctx.python, "-c", PYTHON_PROBE], timeout=CONTAINER_S, env=env)
     fix = (
         f"install torch and deepspeed for {ctx.python} on every node, "
@@ -401,7 +412,24 @@ def check_python_env(conn: Connection, ctx: Context, facts: Facts) -> list[Check
     except p.ParseError:
         return [fail("python-env", f"{ctx.python} probe failed: {_tail(result)}", fix)]
     limits = _run(conn, ["sh", "-c", LIMITS_SCRIPT])
-    return [env_check("python-env", facts.env, ctx, ctx.python, fix), limits_check(limits.stdout, ctx, "on the node")]
+    checks = [env_check("python-env", facts.env, ctx, ctx.python, fix), limits_check(limits.stdout, ctx, "on the node")]
+    return checks + extension_lock_checks(facts.env)
+
+
+def extension_lock_checks(env: dict) -> list[Check]:
+    """A DeepSpeed op-build lock left by a killed build: the ranks would wait on it forever, silently."""
+    stale = [(path, age) for path, age in env.get("extension_locks") or [] if age > STALE_EXTENSION_LOCK_S]
+    if not stale:
+        return []
+    listed = ", ".join(f"{path} ({age / 60:.0f} min old)" for path, age in stale)
+    return [
+        fail(
+            "torch-extensions",
+            f"a DeepSpeed op build was killed mid-way and left its lock: {listed}; every rank that needs the op "
+            "would wait on it forever",
+            f"remove it on this node once no build runs there: rm {' '.join(shlex.quote(p) for p, _ in stale)}",
+        )
+    ]
 
 
 # -- docker -------------------------------------------------------------------------

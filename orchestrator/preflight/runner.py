@@ -45,6 +45,7 @@ CHECK_ORDER = (
     "shm-memlock",
     "image-runtime",
     "python-env",
+    "torch-extensions",
     "nvme",
     "nvme-aio",
     "same-everywhere",

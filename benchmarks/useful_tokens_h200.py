@@ -74,6 +74,14 @@ def spec_has(dotted: str) -> bool:
     return True
 
 
+def model_config(args: argparse.Namespace) -> dict:
+    """The model's shape; ``--layers`` keeps every layer's published shape and takes fewer of them."""
+    config = dict(MODELS[args.model])
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    return config
+
+
 def job_spec(config: str, args: argparse.Namespace, accelerator: str, data_file: str, workdir: Path) -> dict:
     train = {
         "max_seq_len": args.seq,
@@ -93,7 +101,7 @@ def job_spec(config: str, args: argparse.Namespace, accelerator: str, data_file:
             "name_or_path": f"{args.model}-shape",
             "init": "random",
             "tokenizer": "builtin:byte-level",
-            "config": MODELS[args.model],
+            "config": model_config(args),
         },
         "data": {"path": "synthetic:random" if config == "synthetic" else data_file, "format": "alpaca"},
         "train": train,
@@ -145,7 +153,7 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
     job = workdir / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     result: dict = {"config": config, "overrides": args.set, "env": args.env}
-    plan_argv = ["plan", str(job), "--hosts", str(HOSTS), "--runtime", "process", "--json"]
+    plan_argv = ["plan", str(job), "--hosts", str(args.hosts), "--runtime", "process", "--json"]
     if gpu_gib:
         plan_argv += ["--gpu-mem-gib", str(gpu_gib)]
     planned = dzctl(*plan_argv, env=env, timeout=120)
@@ -159,7 +167,7 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
     }
     result["predicted_peak_gib"] = plan.get("per_gpu_gib")
     started = time.monotonic()
-    launch_argv = ["launch", str(job), "--hosts", str(HOSTS), "--runtime", "process", "--follow", "--json"]
+    launch_argv = ["launch", str(job), "--hosts", str(args.hosts), "--runtime", "process", "--follow", "--json"]
     try:
         launched = dzctl(*launch_argv, env=env, timeout=LAUNCH_TIMEOUT_S)
         stdout, stderr, code = launched.stdout, launched.stderr, launched.returncode
@@ -236,7 +244,7 @@ def measure(events: list[dict], args, config: str, trainer_output: str) -> dict:
     processed = statistics.median((e.get("processed_tokens_per_s") or e["tokens_per_s"]) for e in measured)
     efficiency = [e["padding_efficiency"] for e in measured if e.get("padding_efficiency") is not None]
     attention_len = args.seq if config == "synthetic" else args.attention_len
-    tflops = useful * flops_per_token(MODELS[args.model], attention_len) / 1e12
+    tflops = useful * flops_per_token(model_config(args), attention_len) / 1e12
     peaks = end.get("gpu_mem_peak_gib_per_rank") or []
     out.update(
         measured_steps=[e["step"] for e in measured],
@@ -289,6 +297,7 @@ def main() -> int:
     # no short end-of-epoch step falls among the measured ones.
     parser.add_argument("--rows", type=int, default=3000, help="SFT rows generated (enough for --steps)")
     parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers of the same shape (one GPU)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", default="/tmp/dzctl-useful")
     parser.add_argument("--budget-s", type=float, default=560, help="skip configurations that would overrun this")
@@ -304,9 +313,14 @@ def main() -> int:
 
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     args.nproc = torch.cuda.device_count() if accelerator == "gpu" else 2  # hostfiles/localhost.txt: slots=2
+    args.hosts = HOSTS
+    if args.nproc != 2:  # a machine with another GPU count: this machine alone, every GPU
+        args.hosts = Path(args.work) / f"localhost-{args.nproc}.txt"
     gpu_gib = gpu_mem_gib() if accelerator == "gpu" else None
     args.out.mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
+    if args.hosts != HOSTS:
+        args.hosts.write_text(f"localhost slots={args.nproc}\n", encoding="utf-8")
     data_file = Path(args.work) / "sft-lognormal.jsonl"
     rows = sft_data.alpaca_rows(args.rows, seed=0, max_len=args.seq)
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -331,6 +345,7 @@ def main() -> int:
             print(f"== {config}: {json.dumps(shown)}", flush=True)
             summary = {
                 "model": args.model,
+                "layers": model_config(args)["num_hidden_layers"],
                 "seq": args.seq,
                 "nproc": args.nproc,
                 "gpu_mem_gib": gpu_gib,

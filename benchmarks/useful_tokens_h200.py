@@ -91,6 +91,10 @@ def job_spec(config: str, args: argparse.Namespace, accelerator: str, data_file:
         "logging_steps": 1,
         "save_steps": 1_000_000,
     }
+    if spec_has("train.save"):
+        # A throughput run: no checkpoint and no consolidated model (an 8B model's ZeRO-3 states
+        # are about 130 GB, more than the GPU machine's free disk; the first one-GPU run hit that).
+        train["save"] = False
     if accelerator == "cpu":
         train.update(precision="fp32", gradient_checkpointing=False)
     spec = {

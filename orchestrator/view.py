@@ -71,19 +71,12 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
 def _metrics(watch: JobWatch, last_step: dict | None, width: int) -> RenderableType:
     if last_step is None:
         return Text("waiting for the first step", style="dim")
-    # One grid per line: in one shared grid the rate line's long cells would set the loss line's
-    # column widths and wrap "smoothed ..." over two lines on an 80-120 column terminal.
-    lines = []
+    lines: list[RenderableType] = []
     losses = [s["loss"] for s in watch.steps if s.get("loss") is not None]
     if losses:
         smoothed = ema(losses, EMA_FACTOR)[-1]
-        lines.append(
-            _cells(
-                f"loss {losses[-1]:.4f}",
-                f"smoothed {smoothed:.4f} (EMA {EMA_FACTOR})",
-                Text(sparkline(losses, max(10, min(40, width - 62))), style="cyan", no_wrap=True),
-            )
-        )
+        spark = Text(sparkline(losses, max(10, min(40, width - 62))), style="cyan")
+        lines += _flow([f"loss {losses[-1]:.4f}", f"smoothed {smoothed:.4f} (EMA {EMA_FACTOR})", spark], width)
     per = "GPU" if watch.accelerator == "gpu" else "rank"
     rate = rate_text(last_step.get("tokens_per_s"), watch.world_size, per)
     row = [f"lr {last_step['learning_rate']:.2e}" if last_step.get("learning_rate") is not None else "lr -"]
@@ -93,17 +86,30 @@ def _metrics(watch: JobWatch, last_step: dict | None, width: int) -> RenderableT
         row.append(f"processed {last_step['processed_tokens_per_s']:,.0f} tok/s")
     if last_step.get("padding_efficiency") is not None:
         row.append(f"padding efficiency {last_step['padding_efficiency']:.0%}")
-    lines.append(_cells(*row))
-    return Group(*lines)
+    return Group(*lines, *_flow(row, width))
 
 
-def _cells(*cells: str | Text) -> Table:
-    """One line of cells two spaces apart; each cell whole or cut with an ellipsis, never wrapped."""
-    grid = Table.grid(padding=(0, 2))
-    for _ in cells:
-        grid.add_column(no_wrap=True, overflow="ellipsis")
-    grid.add_row(*cells)
-    return grid
+def _flow(cells: list[str | Text], width: int) -> list[Text]:
+    """Cells two spaces apart, each kept whole: one that would pass ``width`` starts the next line.
+
+    A packed job's rate line (useful, processed, padding efficiency) is wider than an
+    80-column terminal; cut short it would lose the figures, wrapped mid-cell it would split them.
+    """
+    lines: list[Text] = []
+    current: list[Text] = []
+    used = 0
+    for cell in cells:
+        text = cell if isinstance(cell, Text) else Text(cell)
+        if current and used + 2 + len(text) > width:
+            lines.append(Text("  ").join(current))
+            current, used = [], 0
+        used += (2 if current else 0) + len(text)
+        current.append(text)
+    if current:
+        lines.append(Text("  ").join(current))
+    for line in lines:
+        line.no_wrap, line.overflow = True, "ellipsis"  # a single cell wider than the terminal
+    return lines
 
 
 def _nodes(watch: JobWatch, now: float) -> RenderableType:

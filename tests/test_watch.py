@@ -134,8 +134,11 @@ def test_the_loss_line_stays_whole_beside_the_packed_rate_line(width):
     lines = _text(render(watch, now=14.0), width=width).splitlines()
     loss_line = next(line for line in lines if "loss 5.0000" in line)
     assert f"smoothed {ema([5.9, 5.5, 5.0], 0.9)[-1]:.4f} (EMA 0.9)" in loss_line
-    rate_line = next(line for line in lines if line.startswith("lr "))
-    assert "useful 2,160 tok/s/rank" in rate_line and len(rate_line) <= width
+    # Every figure whole on some line, none cut short, no line past the terminal's width.
+    for cell in ("lr 3.00e-03", "useful 2,160 tok/s/rank, 4,321 tok/s total", "processed 4,555 tok/s",
+                 "padding efficiency 95%"):  # fmt: skip
+        assert any(cell in line for line in lines), (cell, lines)
+    assert all(len(line.rstrip()) <= width for line in lines) and not any("…" in line for line in lines[:6])
 
 
 def test_ema_is_bias_corrected_and_sparkline_spans_the_range():

@@ -319,7 +319,7 @@ def run_one(name: str, args, accelerator: str, gpu_gib, env: dict, log) -> dict:
     job = workdir / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     started = time.monotonic()
-    argv = ["launch", str(job), "--hosts", str(HOSTS), "--runtime", "process", "--follow", "--json"]
+    argv = ["launch", str(job), "--hosts", str(args.hosts), "--runtime", "process", "--follow", "--json"]
     budget = args.lora_budget_s if name == "lora72b" else args.nvme_budget_s + args.startup_s
     code, stdout, stderr = dzctl(*argv, env=env, timeout=budget)
     if code == "timeout":
@@ -388,6 +388,11 @@ def main() -> int:
     if accelerator == "cpu":
         args.model = "tiny"
     gpu_gib = gpu_mem_gib() if accelerator == "gpu" else None
+    args.hosts = HOSTS  # slots=2
+    if args.nproc != 2:  # another GPU count: this machine alone, --nproc ranks
+        args.hosts = Path(args.work) / f"localhost-{args.nproc}.txt"
+        args.hosts.parent.mkdir(parents=True, exist_ok=True)
+        args.hosts.write_text(f"localhost slots={args.nproc}\n", encoding="utf-8")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")

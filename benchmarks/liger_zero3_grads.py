@@ -23,8 +23,11 @@ final norm and, through the layers, to the embeddings; more layers add the same
 per-layer kernels again, not another place where the partitioned weight is read.
 
 Pass ("within bf16 noise"): each path's error against the fp32 reference is at most
-3× the unfused bf16 path's own error (the worse of its two runs) plus 1e-3 (fp32 runs:
-3× plus 1e-5), cosine ≥ 0.999 (0.999999), loss within 1% (1e-5). A loss that reads an
+1.25× the unfused bf16 path's own error (the worse of its two runs) plus 1e-3 (fp32 runs:
+3× plus 1e-5), its cosine distance (1 − cosine) likewise plus 1e-3 (1e-6), loss within
+1% (1e-5). (Until 2026-12-01 the cosine bar was a fixed 0.999 and the factor 3: on an H200
+the unfused bf16 loss itself was at cosine 0.894 from fp32, so every path failed the cosine
+bar while 3× of a 46% error let almost anything through.) A loss that reads an
 empty or stale partition, or drops the LM head's gradient, is off by order one. Exit 1
 beyond that, 2 when a mode cannot run.
 
@@ -76,8 +79,11 @@ MODELS = {
         "tie_word_embeddings": False,
     },
 }
-# (factor over the unfused run's own error against fp32, floor, cosine, loss relative)
-TOLERANCE = {"bf16": (3.0, 1e-3, 0.999, 0.01), "fp32": (3.0, 1e-5, 0.999999, 1e-5)}
+# (factor over the unfused run's own error and cosine distance against fp32, floor of the error,
+# floor of the cosine distance as 1 - this, loss relative). In bf16 the unfused path's own error
+# against fp32 is large on a random model (46% for lm_head on an H200), so the factor is kept
+# tight: a fused path may be at most 25% further from fp32 than the unfused one.
+TOLERANCE = {"bf16": (1.25, 1e-3, 0.999, 0.01), "fp32": (3.0, 1e-5, 0.999999, 1e-5)}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -264,38 +270,10 @@ def main(argv: list[str]) -> int:
             )
         del grads
 
-    # Pass: each fused path is as close to the fp32 reference as the unfused path in the same precision
-    # (the worse of its two runs), up to FACTOR, plus a floor for a parameter whose unfused error is ~0.
-    factor, floor, min_cos, loss_rel = TOLERANCE[dtype_name]
-    unfused = {
-        r["param"]: max(q["rel_error"] for q in rows if q["param"] == r["param"] and q["mode"].startswith("none"))
-        for r in rows
-    }
-    failures = []
-    say(f"\nagainst the unfused loss in fp32 (same batch, same weights); runs in {dtype_name}")
-    say("| mode | parameter | relative error | bound | cosine | grad norm (fp32 ref) | loss (fp32 ref) | pass s |")
-    say("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        r["bound"] = factor * unfused[r["param"]] + floor
-        bad = (
-            r["rel_error"] > r["bound"]
-            or r["cosine"] < min_cos
-            or abs(r["loss"] - r["reference_loss"]) > loss_rel * abs(r["reference_loss"])
-            or r["reference_grad_norm"] == 0.0
-        )
-        if bad:
-            failures.append(f"{r['mode']} {r['param']}")
-        say(
-            f"| {r['mode']} | {r['param']} | {r['rel_error']:.3e} | {r['bound']:.3e} | {r['cosine']:.6f} | "
-            f"{r['grad_norm']:.4e} ({r['reference_grad_norm']:.4e}) | {r['loss']:.6f} ({r['reference_loss']:.6f}) | "
-            f"{r['pass_s']} |{' FAIL' if bad else ''}"
-        )
+    failures, lines = judge(rows, dtype_name)
+    for line in lines:
+        say(line)
     verdict = "FAIL: " + ", ".join(failures) if failures else "PASS"
-    say(
-        f"\ntolerance ({dtype_name}): relative error <= {factor} x the unfused {dtype_name} run's own (worse of two) "
-        f"+ {floor:g}; cosine >= {min_cos}; loss within {loss_rel:g}"
-    )
-    say(verdict)
     if rank == 0 and args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
@@ -316,7 +294,7 @@ def main(argv: list[str]) -> int:
             "tied": args.tied,
             "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "versions": versions,
-            "tolerance": {"factor": factor, "floor": floor, "cosine": min_cos, "loss_rel": loss_rel},
+            "tolerance": dict(zip(("factor", "floor", "cosine", "loss_rel"), TOLERANCE[dtype_name], strict=True)),
             "rows": rows,
             "verdict": verdict,
         }
@@ -326,5 +304,62 @@ def main(argv: list[str]) -> int:
     return 1 if failures else 0
 
 
+def judge(rows: list[dict], dtype_name: str) -> tuple[list[str], list[str]]:
+    """(failed rows, the table's lines). Pass: each path is as close to the fp32 reference as the
+    unfused path in the same precision (the worse of its two runs), up to FACTOR plus a floor, both
+    in relative error and in cosine distance (1 - cosine).
+
+    The cosine bar is relative too: in bf16 a randomly initialised model's near-uniform softmax
+    leaves the unfused loss's own gradients far from fp32 (cosine 0.894 for lm_head, measured on an
+    H200), so a fixed 0.999 failed every path, the unfused one included.
+    """
+    factor, floor, min_cos, loss_rel = TOLERANCE[dtype_name]
+    unfused_rows = [q for q in rows if q["mode"].startswith("none")]
+    worst_error = {q["param"]: max(u["rel_error"] for u in unfused_rows if u["param"] == q["param"]) for q in rows}
+    worst_distance = {
+        q["param"]: max(1.0 - u["cosine"] for u in unfused_rows if u["param"] == q["param"]) for q in rows
+    }
+    failures = []
+    lines = [
+        f"\nagainst the unfused loss in fp32 (same batch, same weights); runs in {dtype_name}",
+        "| mode | parameter | relative error | bound | cosine | min cosine | grad norm (fp32 ref) | loss (fp32 ref) "
+        "| pass s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        r["bound"] = factor * worst_error[r["param"]] + floor
+        r["min_cosine"] = 1.0 - (factor * worst_distance[r["param"]] + (1.0 - min_cos))
+        bad = (
+            r["rel_error"] > r["bound"]
+            or r["cosine"] < r["min_cosine"]
+            or abs(r["loss"] - r["reference_loss"]) > loss_rel * abs(r["reference_loss"])
+            or r["reference_grad_norm"] == 0.0
+        )
+        if bad:
+            failures.append(f"{r['mode']} {r['param']}")
+        lines.append(
+            f"| {r['mode']} | {r['param']} | {r['rel_error']:.3e} | {r['bound']:.3e} | {r['cosine']:.6f} | "
+            f"{r['min_cosine']:.6f} | {r['grad_norm']:.4e} ({r['reference_grad_norm']:.4e}) | "
+            f"{r['loss']:.6f} ({r['reference_loss']:.6f}) | {r['pass_s']} |{' FAIL' if bad else ''}"
+        )
+    lines.append(
+        f"\ntolerance ({dtype_name}): relative error <= {factor} x the unfused {dtype_name} run's own (worse of two) "
+        f"+ {floor:g}; 1 - cosine <= {factor} x the unfused run's own + {1 - min_cos:g}; loss within {loss_rel:g}"
+    )
+    return failures, lines
+
+
+def rejudge(path: Path) -> int:
+    """Judge a recorded liger_zero3_grads.json again (no GPU): prints the table and the verdict."""
+    recorded = json.loads(path.read_text(encoding="utf-8"))
+    failures, lines = judge(recorded["rows"], recorded["dtype"])
+    print(f"{path}: recorded verdict: {recorded['verdict'][:120]}")
+    print("\n".join(lines))
+    print("FAIL: " + ", ".join(failures) if failures else "PASS")
+    return 1 if failures else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rejudge"]:  # python3 benchmarks/liger_zero3_grads.py --rejudge FILE.json
+        sys.exit(rejudge(Path(sys.argv[2])))
     sys.exit(main(sys.argv[1:]))

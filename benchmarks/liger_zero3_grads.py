@@ -274,6 +274,7 @@ def main(argv: list[str]) -> int:
     for line in lines:
         say(line)
     verdict = "FAIL: " + ", ".join(failures) if failures else "PASS"
+    say(verdict)
     if rank == 0 and args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}

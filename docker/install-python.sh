@@ -146,6 +146,12 @@ project-deps)
     pins > /tmp/dzctl-constraints.txt
     export PIP_CONSTRAINT=/tmp/dzctl-constraints.txt
     "$VENV/bin/pip" install "/opt/dzctl-meta[train]"
+    if [ "$FLAVOUR" = cpu ]; then
+        # Liger's fused loss runs on GPUs only (CPU jobs use the chunked loss and never import it);
+        # with the Triton it pulls in it is about 1 GB of a CPU image that every node is sent.
+        # Removed in the same step, so the layer never holds it.
+        "$VENV/bin/pip" uninstall -y -q liger-kernel triton
+    fi
     ;;
 *)
     echo "install-python.sh: unknown step '$1'" >&2

@@ -270,6 +270,9 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
     listed = docker_cli(["run", "--rm", image_id, "pip", "list", "--format", "freeze"], local_docker_url)
     assert listed.returncode == 0, listed.stderr
     assert not [line for line in listed.stdout.splitlines() if line.lower().startswith("nvidia-")]
+    # Nor Liger and its Triton (about 1 GB, GPU-only; CPU jobs use the chunked loss).
+    assert not [line for line in listed.stdout.splitlines() if line.lower().startswith(("liger", "triton"))]
+    assert labels["dzctl.liger-kernel"] == "none"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", labels["dzctl.build-time"])
     assert cpu_image["labels"] == {k: v for k, v in labels.items() if k.startswith("dzctl.")}
 

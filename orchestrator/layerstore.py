@@ -61,7 +61,8 @@ def registry_binary() -> str | None:
 
 def daemon_is_local(client) -> bool:
     """Whether the daemon runs here (a unix socket): only then is our 127.0.0.1 also its own."""
-    return str(getattr(client.api, "base_url", "")).startswith("http+docker://")
+    # docker-py names a unix socket "http+docker://localhost" (ssh://: ".../ssh", TCP: the address).
+    return str(getattr(client.api, "base_url", "")) == "http+docker://localhost"
 
 
 def registry_config(root: Path, port: int) -> str:

@@ -21,7 +21,7 @@ from test_distribute import build_local, host_image_id
 from orchestrator.distribute import distribute_image
 from orchestrator.errors import RuntimeFailure
 from orchestrator.layers import layer_member, load_manifest, plan_streams, tar_stream
-from orchestrator.layerstore import LayerStore, registry_config
+from orchestrator.layerstore import LayerStore, daemon_is_local, registry_config
 from orchestrator.ssh import HostPool
 
 # -- pure parts -----------------------------------------------------------------------------------
@@ -64,6 +64,12 @@ def test_plan_streams_uses_the_store_only_for_layers_it_already_has():
     assert (plan.sources, plan.push_first, plan.prime) == ({2: "save"}, False, True)
     # Everything known: nothing to fill.
     assert not plan_streams([a, b, c], [0], {a, b, c}).prime
+
+
+def test_the_store_is_used_only_with_a_daemon_on_this_machine():
+    # The daemon pushes to 127.0.0.1: that is our loopback only when it runs here.
+    assert daemon_is_local(docker.DockerClient(base_url="unix:///var/run/docker.sock", version="1.41"))
+    assert not daemon_is_local(docker.DockerClient(base_url="tcp://10.0.0.5:2375", version="1.41"))
 
 
 def test_registry_config_listens_on_loopback_only(tmp_path):

@@ -12,6 +12,12 @@ finds them by chain ID and ends with the same image ID. Nodes are grouped by how
 hold, one stream per group; a node that holds none gets today's full stream, and a node whose
 partial load fails is sent the full stream once more.
 
+With the controller's layer store (``layerstore.py``) a group's stream comes from there instead:
+the daemon pushes only the layers it has not pushed to the store before, and the node gets the
+config and the gzip blobs of what it lacks. That skips ``docker save``, which on Docker 20.10
+exports every layer of the image even when the stream leaves 99.9% of it out. The store is filled
+while the first full stream runs (``plan_streams`` in ``layers.py`` decides, purely).
+
 A node that fails mid-transfer (connection lost, ``docker load`` error, a stalled reader) is
 dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
 is returned as data (``DistributeResult``); nothing is raised for a partial failure.

@@ -12,6 +12,12 @@ finds them by chain ID and ends with the same image ID. Nodes are grouped by how
 hold, one stream per group; a node that holds none gets today's full stream, and a node whose
 partial load fails is sent the full stream once more.
 
+With the controller's layer store (``layerstore.py``) a group's stream comes from there instead:
+the daemon pushes only the layers it has not pushed to the store before, and the node gets the
+config and the gzip blobs of what it lacks. That skips ``docker save``, which on Docker 20.10
+exports every layer of the image even when the stream leaves 99.9% of it out. The store is filled
+while the first full stream runs (``plan_streams`` in ``layers.py`` decides, purely).
+
 A node that fails mid-transfer (connection lost, ``docker load`` error, a stalled reader) is
 dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
 is returned as data (``DistributeResult``); nothing is raised for a partial failure.
@@ -38,9 +44,20 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import InputError, RemoteError, RuntimeFailure
-from .layers import SkipHeldLayers, chain_ids, filter_tar, held_prefix
+from .layers import (
+    SkipHeldLayers,
+    chain_ids,
+    filter_tar,
+    held_prefix,
+    layer_member,
+    load_manifest,
+    plan_streams,
+    tar_stream,
+)
+from .layerstore import LayerStore, StoredImage, daemon_is_local, default_root, registry_binary
 
 CHUNK = 1 << 20
 # How long one node may refuse to take data while the others wait on it. `docker load` pauses
@@ -81,6 +98,7 @@ class HostOutcome:
     elapsed_s: float = 0.0
     layers_held: int = 0  # bottom layers the node already had (not sent)
     layers_total: int = 0
+    source: str = ""  # where its stream came from: save (docker save) | store (the layer store)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +114,7 @@ class HostOutcome:
             "elapsed_s": round(self.elapsed_s, 2),
             "layers_held": self.layers_held,
             "layers_total": self.layers_total,
+            "source": self.source,
             "detail": self.detail,
         }
 
@@ -109,6 +128,8 @@ class DistributeResult:
     raw_bytes: int = 0
     wire_bytes: int = 0
     elapsed_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, in order
+    notes: list[str] = field(default_factory=list)  # what the run chose or went without, and why
 
     @property
     def ok(self) -> bool:
@@ -127,6 +148,8 @@ class DistributeResult:
             "raw_bytes": self.raw_bytes,
             "wire_bytes": self.wire_bytes,
             "elapsed_s": round(self.elapsed_s, 2),
+            "phases": {name: round(seconds, 2) for name, seconds in self.phases.items()},
+            "notes": self.notes,
             "hosts": [outcome.to_dict() for outcome in self.hosts.values()],
         }
 
@@ -257,6 +280,30 @@ class _Source:
             self._saved.close()
 
 
+class _StoreSource:
+    """A ``docker load`` tarball made from the layer store: the image's config (byte for byte), the
+    gzip blobs of the layers from ``held`` up, and a manifest naming every layer (held ones too)."""
+
+    def __init__(self, store: LayerStore, stored: StoredImage, repo_tags: list[str], held: int) -> None:
+        self.raw_bytes = 0
+        config_name = stored.config_digest.removeprefix("sha256:") + ".json"
+        manifest = load_manifest(config_name, repo_tags, len(stored.layer_digests))
+        members = [(config_name, stored.config_size, store.blob(stored.config_digest))]
+        for index, (digest, size) in enumerate(zip(stored.layer_digests, stored.layer_sizes, strict=True)):
+            if index >= held:
+                members.append((layer_member(index), size, store.blob(digest)))
+        members.append(("manifest.json", len(manifest), [manifest]))
+        self._stream = tar_stream(members)
+
+    def chunks(self) -> Iterable[bytes]:
+        for chunk in self._stream:
+            self.raw_bytes += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 def local_image(client, image: str):
     import docker.errors
 
@@ -332,11 +379,13 @@ def distribute_image(
     codec: str = "auto",
     on_progress: ProgressCallback | None = None,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    layer_store: Path | str | None = "auto",
 ) -> DistributeResult:
     """Make every node hold ``image`` under the same ID; return each node's outcome.
 
     ``nodes``: hostfile ``Node`` objects or host names. ``pool``: an ``ssh.HostPool`` over them.
-    ``client``: a local docker SDK client (default: from the environment).
+    ``client``: a local docker SDK client (default: from the environment). ``layer_store``: the
+    controller's layer store folder (``auto``: ``layerstore.default_root()``; None: none).
     """
     from .image import docker_client
 
@@ -349,6 +398,7 @@ def distribute_image(
     needing: list[str] = []
     untagged: list[str] = []
     name = _full_name(image)
+    phases: dict[str, float] = {"local image": time.monotonic() - started}
     for host, state in check_hosts(pool, hosts, image_id).items():
         if isinstance(state, BaseException):
             outcomes[host] = HostOutcome(host, "failed", str(state))
@@ -359,41 +409,78 @@ def distribute_image(
         else:
             needing.append(host)
     _tag_on(pool, untagged, image, image_id, outcomes)
+    phases["ask the nodes"] = time.monotonic() - started - phases["local image"]
     if not needing:
         ordered = {host: outcomes[host] for host in hosts}
-        return DistributeResult(image, image_id, None, ordered, elapsed_s=time.monotonic() - started)
+        return DistributeResult(image, image_id, None, ordered, elapsed_s=time.monotonic() - started, phases=phases)
 
-    chosen = choose_codec(codec, pool, needing)
     progress = Progress(expected_raw=int(found_image.attrs.get("Size") or 0))
     layers = list((found_image.attrs.get("RootFS") or {}).get("Layers") or [])
     held = held_layers(pool, needing, layers)
+    phases["held"] = time.monotonic() - started - sum(phases.values())
     save_name = _save_name(image, found_image)
+    repo_tags = [name] if name else []
     sent: dict[str, int] = {}
     wire = raw = 0
+    codecs: dict[str, Codec] = {}
+    notes: list[str] = []
 
-    def send(group: list[str], count: int) -> None:
+    def save_codec() -> Codec:  # asked of the nodes only when a save stream is sent
+        if "save" not in codecs:
+            codecs["save"] = choose_codec(codec, pool, needing)
+        return codecs["save"]
+
+    def send(group: list[str], count: int, stored: StoredImage | None = None) -> None:
         nonlocal wire, raw
-        skip = SkipHeldLayers(chain_ids(layers), count) if count else None
+        step = time.monotonic()
+        if stored is not None:
+            chosen, source = codec_for("none"), _StoreSource(store, stored, repo_tags, count)
+        else:
+            skip = SkipHeldLayers(chain_ids(layers), count) if count else None
+            chosen = save_codec()
+            source = _Source(client, save_name, chosen, skip)
         group_sent, group_wire, group_raw = _stream_to(
-            client, save_name, chosen, pool, group, progress, on_progress, stall_timeout, outcomes, skip
+            chosen, pool, group, progress, on_progress, stall_timeout, outcomes, source
         )
         sent.update(group_sent)
         wire, raw = wire + group_wire, raw + group_raw
         for host in group:
-            outcomes[host].layers_held, outcomes[host].layers_total = count, len(layers)
+            outcome = outcomes[host]
+            outcome.layers_held, outcome.layers_total = count, len(layers)
+            outcome.source = "store" if stored is not None else "save"
+        label = f"stream from the {'store' if stored is not None else 'save'}, {count}/{len(layers)} held"
+        phases[label] = phases.get(label, 0.0) + time.monotonic() - step
 
-    # Nodes that hold some bottom layers first (small streams), grouped by how many; then the rest,
-    # with any node whose partial load failed (today's full stream is the fallback).
-    full = [host for host in needing if not held[host]]
-    for count in sorted({held[host] for host in needing if held[host]}, reverse=True):
-        group = [host for host in needing if held[host] == count]
-        send(group, count)
-        for host in group:
-            if outcomes[host].status == "failed":
-                progress.state[host] = "retrying whole"
-                full.append(host)
-    if full:
-        send(full, 0)
+    with contextlib.ExitStack() as cleanup:
+        store = _open_store(layer_store, client, notes, cleanup)
+        plan = plan_streams(layers, [held[host] for host in needing], store.known_layers() if store else None)
+        stored = None
+        if plan.push_first:
+            step = time.monotonic()
+            try:
+                stored = store.push(client, image_id, layers)
+                notes.append(f"layer store: {stored.layers_pushed} of {len(layers)} layers were new to it")
+            except Exception as exc:  # the store is an optimisation: docker save still works
+                notes.append(f"the layer store failed ({exc}): docker save instead")
+            phases["push to the layer store"] = time.monotonic() - step
+        primer = _Primer(store, client, image_id, layers) if plan.prime else None
+        # Nodes that hold some bottom layers first (small streams), grouped by how many; then the
+        # rest, with any node whose partial load failed (today's full stream is the fallback).
+        full = [host for host in needing if not held[host]]
+        for count in sorted({held[host] for host in needing if held[host]}, reverse=True):
+            group = [host for host in needing if held[host] == count]
+            send(group, count, stored if plan.sources[count] == "store" else None)
+            for host in group:
+                if outcomes[host].status == "failed":
+                    progress.state[host] = "retrying whole"
+                    full.append(host)
+        if full:
+            send(full, 0)
+        if primer is not None:
+            step = time.monotonic()
+            primer.wait(notes)
+            phases["filling the layer store (after the streams)"] = time.monotonic() - step
+    step = time.monotonic()
     loaded = [h for h in needing if outcomes[h].status == "loaded"]
     for host, state in check_hosts(pool, loaded, image_id).items():
         outcome = outcomes[host]
@@ -406,8 +493,57 @@ def distribute_image(
             outcome.image_id = state[0]
     for host in needing:
         outcomes[host].bytes_sent = sent[host]
+    phases["check afterwards"] = time.monotonic() - step
     ordered = {host: outcomes[host] for host in hosts}
-    return DistributeResult(image, image_id, chosen.name, ordered, raw, wire, time.monotonic() - started)
+    used = codecs["save"].name if "save" in codecs else "none"
+    elapsed = time.monotonic() - started
+    return DistributeResult(image, image_id, used, ordered, raw, wire, elapsed, phases, notes)
+
+
+def _open_store(layer_store, client, notes: list[str], cleanup: contextlib.ExitStack) -> LayerStore | None:
+    """The running layer store, or None (with the reason in ``notes`` where a user can act on it)."""
+    root = default_root() if layer_store == "auto" else layer_store
+    if root is None:
+        return None
+    if registry_binary() is None:
+        notes.append(
+            "no layer store (docker-registry is not installed here): after a code change docker save"
+            " exports the whole image again; apt-get install docker-registry"
+        )
+        return None
+    if not daemon_is_local(client):
+        notes.append("no layer store: the Docker daemon is not on this machine")
+        return None
+    try:
+        return cleanup.enter_context(LayerStore(Path(root)))
+    except RuntimeFailure as exc:
+        notes.append(f"no layer store this time: {exc}")
+        return None
+
+
+class _Primer:
+    """Pushes the image to the layer store while the save streams run, so the next change is cheap."""
+
+    def __init__(self, store: LayerStore, client, image_id: str, layers: list[str]) -> None:
+        self.error: BaseException | None = None
+        self.stored: StoredImage | None = None
+        self._thread = threading.Thread(
+            target=self._push, args=(store, client, image_id, layers), name="dzctl-store", daemon=True
+        )
+        self._thread.start()
+
+    def _push(self, store, client, image_id, layers) -> None:
+        try:
+            self.stored = store.push(client, image_id, layers)
+        except BaseException as exc:  # reported in the notes; the nodes are not affected
+            self.error = exc
+
+    def wait(self, notes: list[str]) -> None:
+        self._thread.join()
+        if self.error is not None:
+            notes.append(f"the layer store was not filled ({self.error}): the next change is sent by docker save")
+        elif self.stored is not None:
+            notes.append(f"layer store filled: {self.stored.layers_pushed} layers pushed, for the next change")
 
 
 def _tag_on(
@@ -445,8 +581,9 @@ def held_layers(pool, hosts: list[str], layers: list[str]) -> dict[str, int]:
     return held
 
 
-def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_timeout, outcomes, skip=None):
-    """Save once, tee to every host's load; fill ``outcomes`` for ``hosts``; return bytes per host, wire, raw."""
+def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcomes, source):
+    """Tee ``source``'s one stream to every host's load; fill ``outcomes`` for ``hosts``; return bytes
+    per host, wire, raw."""
     pipes = {host: _Pipe(host) for host in hosts}
     connections = {}
     for host in hosts:
@@ -464,7 +601,6 @@ def _stream_to(client, name, codec, pool, hosts, progress, on_progress, stall_ti
             pipes[host].drop()
         return host, result, time.monotonic() - started
 
-    source = _Source(client, name, codec, skip)
     wire = 0
     failure: BaseException | None = None
     with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="dzctl-load") as executor:

@@ -186,3 +186,74 @@ def filter_tar(
             remaining -= take
     if buffer or pending:
         raise ValueError("tar stream ended inside a header")
+
+
+# -- a `docker load` tarball assembled from stored layer blobs ----------------------------------------
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """One ustar header for a regular file (names here are short: ``<n>/layer.tar``, ``<hex>.json``)."""
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def tar_stream(members: Iterable[tuple[str, int, Iterable[bytes]]]) -> Iterator[bytes]:
+    """A tar archive of ``(name, size, chunks)`` members, streamed; a member whose chunks do not add
+    up to ``size`` is an error (the archive would be corrupt)."""
+    for name, size, chunks in members:
+        yield tar_header(name, size)
+        written = 0
+        for chunk in chunks:
+            written += len(chunk)
+            yield chunk
+        if written != size:
+            raise ValueError(f"{name}: {written} bytes read, {size} expected")
+        if size % BLOCK:
+            yield bytes(BLOCK - size % BLOCK)
+    yield bytes(2 * BLOCK)  # end of archive
+
+
+def layer_member(index: int) -> str:
+    return f"{index}/layer.tar"
+
+
+def load_manifest(config_name: str, repo_tags: list[str], layer_count: int) -> bytes:
+    """``manifest.json`` of a ``docker load`` tarball whose layers are ``layer_member(i)``, bottom first.
+
+    ``docker load`` looks every layer up by chain ID before it opens the layer's file, so the files
+    of layers a node holds may be left out; a layer file may be gzip-compressed (load inflates it).
+    """
+    entry = {"Config": config_name, "RepoTags": repo_tags, "Layers": [layer_member(i) for i in range(layer_count)]}
+    return json.dumps([entry]).encode()
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Where each group of nodes (by how many bottom layers they hold) gets its stream from."""
+
+    sources: dict[int, str]  # held count -> "store" (blobs the store holds) | "save" (docker save)
+    push_first: bool  # push to the store before streaming (some group streams from it)
+    prime: bool  # push to the store while the save streams run (so the next change is cheap)
+
+
+def plan_streams(layers: list[str], held_counts: Iterable[int], store_layers: set[str] | None) -> StreamPlan:
+    """Choose the source of every group's stream (pure).
+
+    A group that holds ``k`` bottom layers streams from the store when the store already holds
+    those ``k`` (the push then exports only layers that group lacks anyway); otherwise, and for
+    nodes that hold nothing, from ``docker save``, as before. A store that lacks some of the
+    image's layers is filled while the save streams run (``prime``).
+    """
+    counts = sorted(set(held_counts))
+    if store_layers is None:
+        return StreamPlan(dict.fromkeys(counts, "save"), push_first=False, prime=False)
+    sources = {
+        count: "store" if count and all(layer in store_layers for layer in layers[:count]) else "save"
+        for count in counts
+    }
+    push_first = "store" in sources.values()
+    prime = not push_first and not all(layer in store_layers for layer in layers)
+    return StreamPlan(sources, push_first, prime)

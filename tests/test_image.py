@@ -455,6 +455,42 @@ def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_doc
     assert len(after) - same <= 5
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_readme_edit_leaves_the_dependency_layers_unchanged(cpu_image, local_docker_url, base_image, tmp_path):
+    import shutil
+
+    import docker
+
+    from orchestrator.image import build_image
+
+    # pyproject.toml names README.md as its readme; the dependency step must not depend on its text.
+    copy = tmp_path / "src"
+    for rel in context_files(ROOT, read_dockerignore(ROOT)):
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, copy / rel)
+    readme = copy / "README.md"
+    readme.write_text(readme.read_text() + f"\nA one-line README edit ({tmp_path.name}).\n")
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=1800)
+    request = BuildRequest(flavour="cpu", base_image=base_image, tag=f"{CPU_TAG}-readme")
+    rebuilt = build_image(request, client, root=copy)
+    before, after = layer_ids(client, cpu_image["image_id"]), layer_ids(client, rebuilt.id)
+    assert rebuilt.id != cpu_image["image_id"] and len(before) == len(after)
+    same = next(i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old != new)
+    # What changed starts at the final stage's copy of the package source (which holds the README):
+    # the venv with every dependency, under it, is the old one.
+    parent = client.api.inspect_image(rebuilt.id)
+    while len(parent["RootFS"]["Layers"]) > same:
+        parent = client.api.inspect_image(parent["Parent"])
+    assert parent["RootFS"]["Layers"] == before[:same]
+    new_steps = [entry["CreatedBy"] for entry in client.api.history(rebuilt.id)]
+    new_steps = new_steps[: len(new_steps) - len(client.api.history(parent["Id"]))]
+    assert "/opt/dzctl-src/" in new_steps[-1] and not any("/opt/venv" in step for step in new_steps), new_steps
+    changed_bytes = client.api.inspect_image(rebuilt.id)["Size"] - parent["Size"]
+    assert changed_bytes < 0.02 * client.api.inspect_image(rebuilt.id)["Size"], changed_bytes
+    client.images.remove(rebuilt.id, noprune=True, force=True)
+
+
 def test_preflight_reads_the_cuda_images_gpu_labels():
     from orchestrator.preflight.checks import gpu_stack_check
 

@@ -71,6 +71,7 @@ def render(result: DistributeResult) -> str:
         lines.append(
             f"  {outcome.host:<20} {outcome.status:<8} {outcome.elapsed_s:6.1f} s{sent}{rate}{held}  {outcome.detail}"
         )
+    lines.extend(f"note: {note}" for note in result.notes)
     lines.append(f"{'done' if result.ok else 'FAILED'} in {result.elapsed_s:.1f} s")
     return "\n".join(lines)
 
@@ -92,7 +93,8 @@ def distribute_command(
     image, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts, codec, registry, as_json
 ):
     """Give every node IMAGE by ID: skip nodes that have it, stream `docker save` once to the rest,
-    leaving out the layers each node already holds."""
+    leaving out the layers each node already holds (after a code change: only the new layers, from
+    the controller's layer store, see DZCTL_LAYER_STORE)."""
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     console = Console(stderr=True, soft_wrap=True)  # CI logs: one line per report, never wrapped
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:

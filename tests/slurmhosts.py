@@ -194,13 +194,16 @@ class SlurmCluster:
         self._wait(lambda: self._answers(["scontrol", "ping"], "UP"), 30, "slurmctld")
 
     def _start_slurmd(self, host) -> None:
+        # With docker hosts, the node's own dockerd is its /run/docker.sock in slurmd's mount namespace
+        # (and so in its job steps'), as on a real node: jobs get the submitter's environment, not the node's.
         script = (
             'hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind /dev/null /etc/resolv.conf'
-            ' && shift 2 && exec "$@"'
+            ' && { [ -z "$3" ] || mount --bind "$3" /run/docker.sock; } && shift 3 && exec "$@"'
         )
+        socket_path = str(host.docker_socket) if host.docker_socket else ""
         self._spawn(
             ["nsenter", f"--net={host.netns_path}", "unshare", "--uts", "--mount", "--propagation", "slave",
-             "sh", "-c", script, "sh", host.name, str(self.hosts.hosts_file),
+             "sh", "-c", script, "sh", host.name, str(self.hosts.hosts_file), socket_path,
              "slurmd", "-D", "-N", host.name, "-f", str(self.conf)],
             f"{host.name}-slurmd.out",
         )  # fmt: skip

@@ -15,11 +15,12 @@ from ..errors import RuntimeFailure
 from ..fleet import SshFleet
 from ..options import (
     collective_options,
-    hosts_options,
     job_options,
     json_option,
     load_job_from_options,
     nodes_from_options,
+    optional_hosts_options,
+    slurm_options,
     ssh_options,
 )
 from ..plan import LaunchPlan, shell_line
@@ -51,7 +52,8 @@ class ConsoleProgress:
 
 @click.command("launch")
 @job_options
-@hosts_options
+@optional_hosts_options
+@slurm_options
 @ssh_options
 @click.option("--dry-run", is_flag=True, help="Print the plan; touch no host.")
 @click.option(
@@ -65,11 +67,22 @@ class ConsoleProgress:
 @collective_options
 @json_option
 def launch_command(
-    job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
-    dry_run, follow, raw, replace, no_distribute, skip_collective, collective_timeout, as_json,
+    job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus,
+    slurm, partition, nodes_wanted, gpus_per_node, time_limit, account,
+    ssh_config, trust_new_hosts, dry_run, follow, raw, replace, no_distribute, skip_collective, collective_timeout,
+    as_json,
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
+    if slurm or (hostfile is None and job.spec.slurm is not None):
+        request = launcher.slurm_request(
+            job, partition=partition, nodes=nodes_wanted, gpus_per_node=gpus_per_node, time=time_limit,
+            account=account,
+        )  # fmt: skip
+        launch_on_slurm(job, request, dry_run=dry_run, follow=follow, as_json=as_json)
+        return
+    if hostfile is None:
+        raise click.UsageError("give --hosts FILE, or --slurm (or a slurm: section in the job spec)")
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     if dry_run:
         plan = launcher.dry_run(job, nodes)
@@ -106,6 +119,37 @@ def launch_command(
         failure = status.first_failure
         where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
         raise RuntimeFailure(f"job {plan.job_id} {status.state}{where}", fix=f"dzctl logs {plan.job_id} --tail 100")
+
+
+def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json: bool) -> None:
+    """``launch --slurm``: print the batch script, or submit it and (with --follow) wait for the job."""
+    from ..slurm import backend as slurm
+
+    if dry_run:
+        plan, script = launcher.slurm_plan(job, request)
+        click.echo(json.dumps({**plan.to_dict(), "sbatch_script": script}, indent=2) if as_json else script, nl=False)
+        return
+    progress = ConsoleProgress(as_json)
+    prepared = launcher.prepare_slurm(job, request)
+    with JobStore() as store:
+        started = launcher.execute(prepared, slurm.SlurmBackend(store), progress)
+        record = store.get(started.job_id)
+        if follow is None:
+            follow = sys.stdout.isatty() and not as_json
+        if not follow:
+            if as_json:
+                click.echo(json.dumps({"job": record.name, "job_id": record.job_id, "state": "pending",
+                                       "slurm_job_id": slurm.slurm_job_id(record)}))  # fmt: skip
+            return
+        write = (lambda text: (sys.stderr.write(text), sys.stderr.flush())) if as_json else None
+        slurm.stream_logs(record, ranks=None, tail=None, follow=True, write=write)
+        status = slurm.wait_until_ended(record, store)
+    if as_json:
+        click.echo(json.dumps(status.to_dict()))
+    if status.state != "succeeded":
+        failure = status.first_failure
+        where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
+        raise RuntimeFailure(f"job {record.job_id} {status.state}{where}", fix=f"dzctl logs {record.job_id} --tail 100")
 
 
 def render_plan(plan: LaunchPlan) -> str:

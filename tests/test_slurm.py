@@ -122,11 +122,14 @@ def slurm_docker(tmp_path_factory, cpu_image_tag, local_docker_url):
 
     with SlurmCluster(2, docker=True, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
         # Slurm ships no image: the nodes have it already, as a site's nodes would (a registry, a load).
-        save = subprocess.Popen(["docker", "-H", local_docker_url, "save", cpu_image_tag], stdout=subprocess.PIPE)
-        data = save.stdout.read()
-        save.wait()
-        for host in cluster.hosts.hosts:
-            subprocess.run(["docker", "-H", host.docker_host, "load"], input=data, check=True, capture_output=True)
+        archive = cluster.hosts.workdir / "image.tar"
+        subprocess.run(["docker", "-H", local_docker_url, "save", "-o", str(archive), cpu_image_tag], check=True)
+        loads = [
+            subprocess.Popen(["docker", "-H", host.docker_host, "load", "-i", str(archive)], stdout=subprocess.DEVNULL)
+            for host in cluster.hosts.hosts
+        ]
+        assert all(load.wait() == 0 for load in loads)
+        archive.unlink()
         yield cluster, cpu_image_tag
 
 
@@ -261,3 +264,21 @@ def test_a_killed_rank_fails_the_slurm_job_on_both_nodes_and_is_named(controller
     assert status["first_failure"]["exit_code"] == 137
     assert status["nodes"][0]["exit_code"] != 0
     assert controller.leftovers() == ""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_failed_check_inside_the_allocation_ends_the_job_before_training(slurm_process, tmp_path):
+    controller = SlurmController(slurm_process, tmp_path, "process")
+    controller.sets = [s for s in controller.sets if not s.startswith("launch.python=")]
+    controller.sets.append("launch.python=/nonexistent/python3")  # the nodes' Python env check fails
+    result = controller.launch("--follow", steps=3)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "preflight failed on 2 of 2 node(s): node0, node1" in result.stderr
+    status = controller.status()
+    assert status["state"] == "failed"
+    assert [n["state"] for n in status["nodes"]] == ["missing", "missing"]  # no launcher ever started
+    assert "preflight failed on 2 of 2" in status["first_failure"]["reason"]
+    # The same report as `dzctl preflight`, in the batch log.
+    batch_log = next(Path(f"{controller.remote}/jobs/{status['job_id']}").glob("slurm-*.out")).read_text()
+    assert "python-env" in batch_log and "/nonexistent/python3" in batch_log

@@ -147,8 +147,13 @@ def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json
     if as_json:
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":
-        failure = status.first_failure
-        where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
+        failure = status.first_failure or {}
+        if failure.get("node_rank") is None:
+            # Ended before any launcher ran (preflight inside the allocation): its report is the batch log.
+            click.echo(slurm.batch_log(record), err=True, nl=False)
+            where = f": {failure['reason']}" if failure.get("reason") else ""
+        else:
+            where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}"
         raise RuntimeFailure(f"job {record.job_id} {status.state}{where}", fix=f"dzctl logs {record.job_id} --tail 100")
 
 

@@ -266,11 +266,25 @@ def _job_state(record: JobRecord, slurm: str | None, nodes) -> str:
     return slurm
 
 
+def batch_log_path(record: JobRecord) -> Path:
+    return Path(record.plan["nodes"][0]["job_dir"]) / BATCH_LOG.replace("%j", slurm_job_id(record))
+
+
+def batch_log(record: JobRecord) -> str:
+    """The batch step's output: the allocation, the preflight report, how the job ended."""
+    try:
+        return batch_log_path(record).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def _batch_failure(record: JobRecord) -> dict | None:
     """A job that failed before any rank ran (a refused step, an allocation lost): the batch log says why."""
-    path = Path(record.plan["nodes"][0]["job_dir"]) / BATCH_LOG.replace("%j", slurm_job_id(record))
-    lines = _tail(path, 20)
-    reason = next((x for x in reversed(lines) if "error" in x.lower() or "failed" in x.lower()), None)
+    path = batch_log_path(record)
+    lines = _tail(path, 200)
+    reason = next((x for x in lines if x.startswith("dzctl: preflight failed on")), None) or next(
+        (x for x in reversed(lines) if "error" in x.lower() or "failed" in x.lower()), None
+    )
     return {"node_rank": None, "host": None, "exit_code": None, "reason": reason or f"see {path}"}
 
 

@@ -83,6 +83,7 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
         "# The master: the allocation's first host, where node rank 0 (SLURM_NODEID 0) runs.",
         f'{MASTER_VAR}="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f'echo "dzctl: job {plan.job_id} on $SLURM_JOB_NODELIST, master ${MASTER_VAR}"',
+        *_preflight_lines(plan, request),
         "# One launcher per node; --kill-on-bad-exit: one node's failure ends the step on every node.",
         f'{shell_text(step)} "${MASTER_VAR}"',
         "code=$?",
@@ -91,6 +92,18 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
         "",
     ]
     return "\n".join(lines)
+
+
+def _preflight_lines(plan: LaunchPlan, request: SlurmRequest) -> list[str]:
+    if request.container == "pyxis":
+        # The checks inspect the node's own runtime (docker, the Python env); a pyxis step's is the image's.
+        return ["# No preflight: with pyxis the image is the node's runtime (enroot), which dzctl does not check."]
+    argv = [request.python, "-m", "orchestrator.slurm.inside", "preflight"]
+    argv += ["--job-dir", plan.nodes[0].job_dir, "--slots", str(plan.nodes[0].slots)]
+    return [
+        "# Preflight on the allotted nodes (srun, one step per command), before any launcher starts.",
+        f"{shell_text(argv)} || {{ echo 'dzctl: preflight failed: the job ends before training'; exit 1; }}",
+    ]
 
 
 def srun_argv(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, script_path: str) -> list[str]:

@@ -293,7 +293,7 @@ def slurm_request(job: LoadedJob, **given) -> SlurmRequest:
 
 def slurm_plan(job: LoadedJob, request: SlurmRequest, job_id: str | None = None) -> tuple[LaunchPlan, str]:
     """The plan for the nodes Slurm will allot and its batch script; pure (``launch --slurm --dry-run``)."""
-    from .slurm.script import MASTER, batch_script, planned_nodes
+    from .slurm.script import IFNAME_VAR, MASTER, batch_script, planned_nodes, uses_preflight
 
     if "{host}" in job.spec.launch.remote_dir or "{host}" in (job.spec.train.output_dir or ""):
         raise SpecError(
@@ -303,8 +303,15 @@ def slurm_plan(job: LoadedJob, request: SlurmRequest, job_id: str | None = None)
         )
     secrets = secret_env(job, env_file_values(job))
     nodes = planned_nodes(job.spec, request)
+    # Each node's interface is what preflight finds inside the allocation: a variable the node expands.
+    interfaces = {n.host: "$" + IFNAME_VAR for n in nodes} if uses_preflight(request) else None
     plan = make_plan(
-        job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=tuple(secrets), master_addr=MASTER
+        job.spec,
+        nodes,
+        job_id or new_job_id(job.spec.name),
+        secret_names=tuple(secrets),
+        master_addr=MASTER,
+        interfaces=interfaces,
     )
     return plan, batch_script(plan, job.spec, request, script_path=f"{plan.nodes[0].job_dir}/job.sbatch")
 

@@ -158,12 +158,19 @@ class SlurmController:
     def dzctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         env = {**self.cluster.env, "DZCTL_HOME": str(self.home), "PYTHONPATH": str(ROOT)}
         env.pop("DOCKER_HOST", None)  # each node's job steps talk to that node's own dockerd
-        argv = [sys.executable, "-m", "orchestrator", *args]
+        # dzctl as a login node runs it: Slurm's client commands reach this cluster's munged.
+        argv = self.cluster.in_namespace([sys.executable, "-m", "orchestrator", *args])
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
 
     def launch(self, *extra: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
         sets = [item for s in [*self.sets, f"train.max_steps={steps}"] for item in ("--set", s)]
         return self.dzctl("launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm", *sets, *extra, timeout=timeout)
+
+    def slurm_job_id(self) -> str:
+        from orchestrator.store import JobStore
+
+        with JobStore(self.home / "jobs.sqlite") as store:
+            return store.get(self.job).plan["slurm"]["job_id"]
 
     def status(self) -> dict:
         result = self.dzctl("status", self.job, "--json")
@@ -221,6 +228,11 @@ def test_the_tiny_job_trains_across_both_slurm_nodes_and_reports_through_slurm(c
     assert final["state"] == "succeeded", final
     status = controller.status()
     assert status["state"] == "succeeded"
+    # The job left the queue: the accounting has it (what `dzctl status` read), as COMPLETED.
+    slurm_id = controller.slurm_job_id()
+    acct = controller.cluster.client(["sacct", "-X", "-n", "-P", "-j", slurm_id, "-o", "State"]).stdout.split()
+    assert acct == ["COMPLETED"]
+    assert controller.cluster.client(["squeue", "-h", "-j", slurm_id], check=False).stdout.strip() == ""
     # Each rank on its own allotted node, as Slurm's node ids ordered them.
     assert [(n["node_rank"], n["host"], n["exit_code"]) for n in status["nodes"]] == [
         (0, "node0", 0),

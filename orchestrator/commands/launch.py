@@ -74,6 +74,8 @@ def launch_command(
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
+    if slurm and hostfile is not None:
+        raise click.UsageError("--slurm and --hosts: Slurm picks the nodes; give one or the other")
     if slurm or (hostfile is None and job.spec.slurm is not None):
         request = launcher.slurm_request(
             job, partition=partition, nodes=nodes_wanted, gpus_per_node=gpus_per_node, time=time_limit,

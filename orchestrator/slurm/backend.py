@@ -28,6 +28,7 @@ from ..status import (
     GANG_EXIT_CODE,
     GANG_LINE,
     JobStatus,
+    error_on_node,
     failure_sequence,
     failure_sequence_in_log,
     first_failure,
@@ -38,6 +39,7 @@ from ..store import FINAL_STATES, JobRecord, JobStore
 from .script import BATCH_LOG
 
 COMMAND_TIMEOUT_S = 30
+# squeue shows a job only while it is queued or runs; then sacct (accounting) or scontrol (MinJobAge) know it.
 STOP_WAIT_S = 60  # scancel's SIGTERM, Slurm's KillWait, then SIGKILL: the ranks are gone well within this
 # Slurm's job states (squeue/scontrol/sacct) as dzctl's.
 SLURM_STATES = {
@@ -154,20 +156,21 @@ def _write(path: Path, content: bytes, mode: int) -> None:
 
 
 def slurm_state(record: JobRecord) -> str | None:
-    """Slurm's word on the job, as dzctl's state: squeue while it is queued or runs, then scontrol, then sacct."""
+    """Slurm's word on the job, as dzctl's state: squeue while it is queued or runs, then the accounting
+    (sacct), then slurmctld's memory of ended jobs (scontrol, for clusters without accounting)."""
     job_id = slurm_job_id(record)
     queued = run_slurm(["squeue", "--noheader", "--jobs", job_id, "--format", "%T"])
     if queued.returncode == 0 and queued.stdout.strip():
         return SLURM_STATES.get(queued.stdout.split()[0])
+    acct = run_slurm(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", job_id, "--format", "State"])
+    if acct.returncode == 0 and acct.stdout.strip():
+        # "CANCELLED by 0": the first word is the state.
+        return SLURM_STATES.get(acct.stdout.split()[0])
     shown = run_slurm(["scontrol", "show", "job", "--oneliner", job_id])
     if shown.returncode == 0:
         for word in shown.stdout.split():
             if word.startswith("JobState="):
                 return SLURM_STATES.get(word.partition("=")[2])
-    # Ended long enough ago that slurmctld forgot it (MinJobAge): the accounting database, if there is one.
-    acct = run_slurm(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", job_id, "--format", "State"])
-    if acct.returncode == 0 and acct.stdout.strip():
-        return SLURM_STATES.get(acct.stdout.split()[0])
     return None
 
 
@@ -234,7 +237,8 @@ def gather_status(record: JobRecord) -> JobStatus:
     if first is not None:
         from ..observe import _error_line  # the same reading of a rank's log as the SSH fleet's
 
-        reason = _error_line(lines.get(first["node_rank"], []))
+        # The trainer's own error event says it best; else the rank's log (the exit code says the rest).
+        reason = error_on_node(errors, slots, first["node_rank"]) or _error_line(lines.get(first["node_rank"], []))
         if reason:
             reasons[first["node_rank"]] = reason
     state = _job_state(record, job_state, nodes)

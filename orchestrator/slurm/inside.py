@@ -21,6 +21,8 @@ from pathlib import Path
 from ..hostfile import Node
 from ..ssh import HostPool, LocalConnection, Result
 
+MASTER_FILE = "master_addr"
+INTERFACES_FILE = "interfaces"
 SRUN_STEP = ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--quiet", "--kill-on-bad-exit=0")
 
 
@@ -64,6 +66,13 @@ def preflight(job_dir: Path, slots: int) -> int:
         report = run_preflight(job, nodes, pool)
     print_report(report, Console(file=sys.stdout, highlight=False, soft_wrap=True, width=120))
     (job_dir / "preflight.json").write_text(json.dumps(report.to_dict()))
+    if report.master_addr:
+        # The address preflight chose for node 0 (reachable from every node, not a loopback alias):
+        # the batch script hands it to the launchers, as the SSH fleet's plan does.
+        (job_dir / MASTER_FILE).write_text(report.master_addr + "\n")
+    # Each node's NIC toward the master (NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME): without it gloo and NCCL
+    # may take an address the hostname resolves to (127.0.1.1 in a container) and never connect.
+    (job_dir / INTERFACES_FILE).write_text("".join(f"{host} {nic}\n" for host, nic in report.interfaces.items()))
     if not report.ok:
         failed = sorted({host for host, _ in report.failures()})
         print(f"dzctl: preflight failed on {len(failed)} of {len(nodes)} node(s): {', '.join(failed)}; "

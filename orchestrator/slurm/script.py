@@ -23,6 +23,7 @@ from ..spec import JobSpec, parse_mount
 
 MASTER_VAR = "DZCTL_MASTER_ADDR"
 MASTER = "$" + MASTER_VAR  # what the plan carries as master address; the script expands it
+IFNAME_VAR = "DZCTL_IFNAME"  # this node's NIC toward the master, as preflight found it in the allocation
 NODE_NAME = "slurm-node-{rank}"  # the plan's name for a node Slurm has not chosen yet
 BATCH_LOG = "slurm-%j.out"  # the batch step's own output (preflight report, srun's messages)
 
@@ -72,6 +73,7 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
         'if [ "${1:-}" = --node ]; then',
         "    # One task per node (srun below): SLURM_NODEID picks this node's launcher from the plan.",
         f'    export {MASTER_VAR}="$2"',
+        *_interface_lines(plan, request),
         '    case "${SLURM_NODEID:?}" in',
         *(f"    {node.node_rank}) {node_line(plan, spec, node, request)} ;;" for node in plan.nodes),
         '    *) echo "dzctl: no launcher planned for node $SLURM_NODEID" >&2; exit 2 ;;',
@@ -94,15 +96,32 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
     return "\n".join(lines)
 
 
+def uses_preflight(request: SlurmRequest) -> bool:
+    # The checks inspect the node's own runtime (docker, the Python env); a pyxis step's is the image's.
+    return request.container != "pyxis"
+
+
+def _interface_lines(plan: LaunchPlan, request: SlurmRequest) -> list[str]:
+    if not uses_preflight(request):
+        return []
+    found = shlex.quote(f"{plan.nodes[0].job_dir}/interfaces")
+    return [
+        "    # The NIC preflight found toward the master on this node (SLURMD_NODENAME: Slurm's name for it).",
+        f'    {IFNAME_VAR}="$(awk -v node="$SLURMD_NODENAME" \'$1 == node {{print $2}}\' {found})"',
+    ]
+
+
 def _preflight_lines(plan: LaunchPlan, request: SlurmRequest) -> list[str]:
-    if request.container == "pyxis":
-        # The checks inspect the node's own runtime (docker, the Python env); a pyxis step's is the image's.
+    if not uses_preflight(request):
         return ["# No preflight: with pyxis the image is the node's runtime (enroot), which dzctl does not check."]
     argv = [request.python, "-m", "orchestrator.slurm.inside", "preflight"]
     argv += ["--job-dir", plan.nodes[0].job_dir, "--slots", str(plan.nodes[0].slots)]
+    master_file = shlex.quote(f"{plan.nodes[0].job_dir}/master_addr")
     return [
         "# Preflight on the allotted nodes (srun, one step per command), before any launcher starts.",
         f"{shell_text(argv)} || {{ echo 'dzctl: preflight failed: the job ends before training'; exit 1; }}",
+        "# The master address preflight chose (node 0's, as every node reaches it), not the bare host name.",
+        f'{MASTER_VAR}="$(cat {master_file})"',
     ]
 
 
@@ -165,6 +184,6 @@ def shell_text(argv: list[str]) -> str:
     """``shlex.join``, except that the master address and Slurm's GPU list expand in the shell."""
     text = shlex.join(argv)
     # shlex single-quotes any word with "$" in it: close the quote around the variable.
-    for var in (MASTER_VAR, "CUDA_VISIBLE_DEVICES"):
+    for var in (MASTER_VAR, IFNAME_VAR, "CUDA_VISIBLE_DEVICES"):
         text = text.replace("$" + var, f"'\"${var}\"'")
     return text

@@ -92,6 +92,23 @@ def test_a_host_placeholder_in_the_job_dir_is_refused(tmp_path):
     assert "launch.remote_dir" in result.stderr and "{host}" in result.stderr
 
 
+def test_dry_run_json_keeps_the_plan_contract_and_adds_the_script(tmp_path):
+    def dzctl(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"), *args]
+        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "DZCTL_HOME": str(tmp_path)})
+
+    shown = dzctl("--slurm", "--nodes", "2", "--dry-run", "--json", "--set", "launch.remote_dir=/shared/dz")
+    assert shown.returncode == 0, shown.stderr
+    plan = json.loads(shown.stdout)
+    assert {"job", "job_id", "world_size", "master_addr", "master_port", "nodes", "sbatch_script"} <= set(plan)
+    assert plan["world_size"] == 2 and [n["node_rank"] for n in plan["nodes"]] == [0, 1]
+    assert plan["sbatch_script"].startswith("#!/bin/bash\n") and "#SBATCH --nodes=2" in plan["sbatch_script"]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node0 slots=1\n")
+    both = dzctl("--slurm", "--hosts", str(hosts), "--dry-run")
+    assert both.returncode == 2 and "--slurm and --hosts" in both.stderr
+
+
 # -- a real cluster ----------------------------------------------------------------------------------
 def _require_slurm(docker: bool = False) -> None:
     from conftest import require_test_hosts

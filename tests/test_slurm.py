@@ -261,6 +261,10 @@ def test_the_tiny_job_trains_across_both_slurm_nodes_and_reports_through_slurm(c
     assert "[0 node0] " in logs.stdout and "[1 node1] " in logs.stdout
     assert any(line.startswith("[0 node0] ") and "train_loss" in line for line in logs.stdout.splitlines())
     assert controller.leftovers() == ""
+    # Stopping a job that already ended is not an error (scancel refuses it; nothing runs), nor a new state.
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert controller.status()["state"] == "succeeded"
 
 
 @pytest.mark.integration

@@ -295,7 +295,9 @@ def _batch_failure(record: JobRecord) -> dict | None:
 def stop(record: JobRecord) -> dict[str, str]:
     """scancel, then wait until Slurm and every rank's record say it ended: {node: outcome}."""
     result = run_slurm(["scancel", slurm_job_id(record)])
-    if result.returncode != 0 and "Invalid job id" not in result.stderr:
+    # scancel refuses a job that already ended ("Invalid job id", "already completing or completed"):
+    # that is stopped as far as dzctl is concerned, as `stop` on the SSH fleet finds nothing running.
+    if result.returncode != 0 and slurm_state(record) in ("pending", "running"):
         raise RemoteError(f"scancel {slurm_job_id(record)}: {result.stderr.strip()}")
     deadline = time.monotonic() + STOP_WAIT_S
     while True:

@@ -326,6 +326,12 @@ def prepare_slurm(job: LoadedJob, request: SlurmRequest, *, job_id: str | None =
     plan, script = slurm_plan(job, request, job_id)
     nodes = planned_nodes_of(plan)
     gpu_mem = job.spec.slurm.gpu_mem_gib if job.spec.slurm else None
+    if job.spec.accelerator == "gpu" and gpu_mem is None:
+        raise SpecError(
+            f"{job.where('slurm')}: slurm.gpu_mem_gib is not set: the memory planner needs each GPU's memory, "
+            "and Slurm has not picked the nodes yet",
+            fix="set slurm.gpu_mem_gib (e.g. 140 for H200, 80 for H100/A100-80GB), or --set slurm.gpu_mem_gib=N",
+        )
     resolved, ds_config = memory_choice(job, nodes, gpu_mem, None)
     secrets = secret_env(job, env_file_values(job))
     # One job dir for all nodes (shared), so the output dir is one too: checkpoints are written once.

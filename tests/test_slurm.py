@@ -90,6 +90,14 @@ def test_a_host_placeholder_in_the_job_dir_is_refused(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "launch.remote_dir" in result.stderr and "{host}" in result.stderr
+    # A GPU job is planned before Slurm picks the nodes: without slurm.gpu_mem_gib it is refused, unsubmitted.
+    gpu = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm",
+         "--set", "accelerator=gpu", "--set", f"launch.remote_dir={tmp_path}/shared"],
+        capture_output=True, text=True, env={**os.environ, "DZCTL_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert gpu.returncode == 2 and "slurm.gpu_mem_gib" in gpu.stderr, gpu.stderr
+    assert not (tmp_path / "shared" / "jobs").exists()
 
 
 def test_dry_run_json_keeps_the_plan_contract_and_adds_the_script(tmp_path):

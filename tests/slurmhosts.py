@@ -227,7 +227,9 @@ class SlurmCluster:
             "ReturnToService=2",
             # Without accounting, ended jobs stay known to scontrol for an hour.
             f"MinJobAge={300 if self.accounting else 3600}",
-            "KillWait=10",
+            # Slurm's default KillWait (30 s between SIGTERM and SIGKILL): what the ranks' wrappers get to stop
+            # their containers and record their end.
+            "KillWait=30",
             "SlurmdTimeout=60",
             "InactiveLimit=0",
             # Each node's address: slurmctld reaches the slurmds over the bridge.

@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .busy import busy
 from .errors import InputError, RemoteError, RuntimeFailure
 from .jobfiles import JobFile, shipped_data
 from .nodeops import list_job_containers_argv
@@ -157,8 +157,11 @@ def start_job(
     ssh_config: str | None,
     replace: bool,
     phases: Phases | None = None,
+    busy: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> Started:
+    """``busy(what)``: a context around the long steps for a caller that shows progress (none by default)."""
     phases = phases or Phases()
+    busy = busy or (lambda what: contextlib.nullcontext())
     with phases.timed("refuse_running"):
         refuse_or_replace_running(job, store, pool, replace=replace)
     hosts = [n.host for n in plan.nodes]

@@ -4,6 +4,12 @@
     python -m orchestrator.nodeexec status --job-dir D --rank R
     python -m orchestrator.nodeexec follow --job-dir D --rank R [--tail N]
     python -m orchestrator.nodeexec stop   --job-dir D --rank R [--grace S]
+    python -m orchestrator.nodeexec run    --job-dir D --rank R [--container NAME] [--env...] -- CMD...
+
+``run`` is ``start`` in the foreground, for a scheduler that owns the process
+(a Slurm step): the same log and record, its exit code is the command's, and a
+SIGTERM (scancel, ``srun --kill-on-bad-exit``) stops the whole tree, and the
+container ``--container`` names, before it exits.
 
 ``start`` detaches a supervisor (so the SSH session may close) that runs CMD
 in its own process group with its output in ``D/rank-R.log``, and records
@@ -21,6 +27,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -155,6 +162,65 @@ def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_pa
         os._exit(code)
 
 
+def run(args: argparse.Namespace) -> int:
+    """Run the command in the foreground (under a Slurm step): record it as ``start`` does, return its code."""
+    log_path, state_path = _paths(args.job_dir, args.rank)
+    state_path.unlink(missing_ok=True)
+    env = dict(os.environ)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    if args.env_file:
+        env.update(_read_env_file(args.env_file))
+    if not args.command:
+        print("no command given after --", file=sys.stderr)
+        return 2
+    _become_subreaper()
+    stopped: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        # The scheduler ends the step: say so in the record (the rank was stopped, it did not fail
+        # first), then stop what runs: the container by name (its CLI may not forward), the tree.
+        stopped.append(signum)
+        if args.container:
+            subprocess.run(["docker", "stop", "--time", "5", args.container], capture_output=True, check=False)
+        _signal_all({p: _start_ticks(p) for p in _descendants(os.getpid()) if p != os.getpid()}, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with open(log_path, "ab", buffering=0) as log:
+        try:
+            proc = subprocess.Popen(
+                args.command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+            )
+        except OSError as exc:
+            log.write(f"dzctl: cannot start {args.command[0]}: {exc.strerror}\n".encode())
+            _write_state(state_path, {"pid": None, "error": str(exc), "exit_code": 127, "finished": time.time()})
+            return 127
+        state = {
+            "pid": proc.pid,
+            "pid_start_ticks": _start_ticks(proc.pid),
+            "supervisor": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "exit_code": None,
+        }
+        _write_state(state_path, state)
+        while True:
+            try:
+                returncode = proc.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for old interpreters
+                continue
+        _kill_orphans()
+        code = 128 - returncode if returncode < 0 else returncode
+        if stopped:
+            state["stopped_by_signal"] = stopped[0]
+        state.update(exit_code=code, finished=time.time())
+        _write_state(state_path, state)
+    return code
+
+
 def _become_subreaper() -> None:
     """Orphaned descendants are re-parented to us, not to init, so none can outlive the rank."""
     import ctypes
@@ -285,11 +351,14 @@ def _proc_state(pid: int) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator.nodeexec")
     sub = parser.add_subparsers(dest="action", required=True)
-    for name in ("start", "status", "follow", "stop"):
+    for name in ("start", "status", "follow", "stop", "run"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
-        p.add_argument("--rank", type=int, required=True)
-        if name == "start":
+        # run: the rank may come from the scheduler's environment (SLURM_NODEID on each node).
+        p.add_argument("--rank", type=int, required=name != "run", default=_env_rank())
+        if name == "run":
+            p.add_argument("--container")
+        if name in ("start", "run"):
             p.add_argument("--env-file")
             p.add_argument("--env", action="append", default=[])
             p.add_argument("command", nargs=argparse.REMAINDER)
@@ -299,9 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         if name == "stop":
             p.add_argument("--grace", type=float, default=10.0)
     args = parser.parse_args(argv)
-    if args.action == "start" and args.command and args.command[0] == "--":
+    if args.action in ("start", "run") and args.command and args.command[0] == "--":
         args.command = args.command[1:]
-    return {"start": start, "status": status, "follow": follow, "stop": stop}[args.action](args)
+    return {"start": start, "status": status, "follow": follow, "stop": stop, "run": run}[args.action](args)
+
+
+def _env_rank() -> int | None:
+    value = os.environ.get("SLURM_NODEID")
+    return int(value) if value and value.isdigit() else None
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""What dzctl runs on a node to inspect, follow and stop one rank, per runtime.
+"""The node runtimes behind one interface: what dzctl runs on a node to start, inspect, follow and stop one rank.
 
-Pure: argv builders and parsers of their output. ``docker`` asks the daemon
-about the container (by its deterministic name; it carries the job labels);
-``process`` asks ``orchestrator.nodeexec``, which keeps the same facts in the
-job directory.
+Pure: argv builders and parsers of their output, one class per runtime
+(``node_runtime(name)``). ``docker`` asks the daemon about the container (by its
+deterministic name; it carries the job labels); ``process`` asks
+``orchestrator.nodeexec``, which keeps the same facts in the job directory.
+Where the argv runs (over SSH to each node, or inside a Slurm allocation) is the
+backend's business, not the runtime's.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ def _nodeexec(python: str, action: str, job_dir: str, rank: int, *extra: str) ->
     return [python, "-m", "orchestrator.nodeexec", action, "--job-dir", job_dir, "--rank", str(rank), *extra]
 
 
-def inspect_argv(runtime: str, node: dict, python: str) -> list[str]:
-    if runtime == "docker":
+class DockerRuntime:
+    """One container per node, named deterministically and labelled; the daemon keeps its state."""
+
+    name = "docker"
+
+    def start_argv(self, node: dict) -> list[str]:
+        return list(node["argv"])  # `docker run --detach ...`, built by plan.py
+
+    def inspect_argv(self, node: dict, python: str) -> list[str]:
         return ["docker", "inspect", "--type", "container", node["container_name"]]
-    return _nodeexec(python, "status", node["job_dir"], node["node_rank"])
 
-
-def parse_inspect(runtime: str, exit_code: int, stdout: str, stderr: str) -> NodeState:
-    if runtime == "docker":
+    def parse_inspect(self, exit_code: int, stdout: str, stderr: str) -> NodeState:
         if exit_code != 0:
             if "No such" in stderr or "no such" in stderr:
                 return NodeState("missing")
@@ -54,16 +60,73 @@ def parse_inspect(runtime: str, exit_code: int, stdout: str, stderr: str) -> Nod
             finished_at=_docker_time(st.get("FinishedAt")) if status in ("exited", "dead") else None,
             error=st.get("Error") or None,
         )
-    if exit_code != 0:
-        return NodeState("unreachable", error=(stderr.strip() or stdout.strip())[-300:] or None)
-    info = json.loads(stdout)
-    return NodeState(
-        state=info.get("state", "missing"),
-        exit_code=info.get("exit_code"),
-        started_at=info.get("started"),
-        finished_at=info.get("finished"),
-        error=info.get("error"),
-    )
+
+    def logs_argv(self, node: dict, python: str, *, tail: int | None, follow: bool) -> list[str]:
+        argv = ["docker", "logs"]
+        if tail is not None:
+            argv += ["--tail", str(tail)]
+        if follow:
+            argv.append("--follow")
+        return [*argv, node["container_name"]]
+
+    def stop_argv(self, node: dict, python: str) -> list[str]:
+        return ["docker", "stop", "--time", str(STOP_GRACE_S), node["container_name"]]
+
+    def remove_argv(self, node: dict) -> list[str] | None:
+        return ["docker", "rm", "--force", node["container_name"]]
+
+
+class ProcessRuntime:
+    """One detached launcher per node under ``orchestrator.nodeexec``, its facts in the job directory."""
+
+    name = "process"
+
+    def start_argv(self, node: dict) -> list[str]:
+        return list(node["argv"])  # `python -m orchestrator.nodeexec start ...`, built by plan.py
+
+    def inspect_argv(self, node: dict, python: str) -> list[str]:
+        return _nodeexec(python, "status", node["job_dir"], node["node_rank"])
+
+    def parse_inspect(self, exit_code: int, stdout: str, stderr: str) -> NodeState:
+        if exit_code != 0:
+            return NodeState("unreachable", error=(stderr.strip() or stdout.strip())[-300:] or None)
+        info = json.loads(stdout)
+        return NodeState(
+            state=info.get("state", "missing"),
+            exit_code=info.get("exit_code"),
+            started_at=info.get("started"),
+            finished_at=info.get("finished"),
+            error=info.get("error"),
+        )
+
+    def logs_argv(self, node: dict, python: str, *, tail: int | None, follow: bool) -> list[str]:
+        extra = [] if tail is None else ["--tail", str(tail)]
+        if not follow:
+            extra.append("--no-follow")
+        return _nodeexec(python, "follow", node["job_dir"], node["node_rank"], *extra)
+
+    def stop_argv(self, node: dict, python: str) -> list[str]:
+        return _nodeexec(python, "stop", node["job_dir"], node["node_rank"], "--grace", str(STOP_GRACE_S))
+
+    def remove_argv(self, node: dict) -> list[str] | None:
+        return None  # the process runtime leaves only files
+
+
+RUNTIMES = {"docker": DockerRuntime(), "process": ProcessRuntime()}
+
+
+def node_runtime(name: str) -> DockerRuntime | ProcessRuntime:
+    """The one object that knows how a node runs a rank under ``runtime: name``: start, inspect, logs, stop."""
+    return RUNTIMES[name]
+
+
+# The same operations as functions of the runtime's name (what observe.py and the collective check call).
+def inspect_argv(runtime: str, node: dict, python: str) -> list[str]:
+    return node_runtime(runtime).inspect_argv(node, python)
+
+
+def parse_inspect(runtime: str, exit_code: int, stdout: str, stderr: str) -> NodeState:
+    return node_runtime(runtime).parse_inspect(exit_code, stdout, stderr)
 
 
 def _docker_time(value: str | None) -> float | None:
@@ -76,30 +139,16 @@ def _docker_time(value: str | None) -> float | None:
 
 
 def logs_argv(runtime: str, node: dict, python: str, *, tail: int | None, follow: bool) -> list[str]:
-    if runtime == "docker":
-        argv = ["docker", "logs"]
-        if tail is not None:
-            argv += ["--tail", str(tail)]
-        if follow:
-            argv.append("--follow")
-        return [*argv, node["container_name"]]
-    extra = [] if tail is None else ["--tail", str(tail)]
-    if not follow:
-        extra.append("--no-follow")
-    return _nodeexec(python, "follow", node["job_dir"], node["node_rank"], *extra)
+    return node_runtime(runtime).logs_argv(node, python, tail=tail, follow=follow)
 
 
 def stop_argv(runtime: str, node: dict, python: str) -> list[str]:
-    if runtime == "docker":
-        return ["docker", "stop", "--time", str(STOP_GRACE_S), node["container_name"]]
-    return _nodeexec(python, "stop", node["job_dir"], node["node_rank"], "--grace", str(STOP_GRACE_S))
+    return node_runtime(runtime).stop_argv(node, python)
 
 
 def remove_argv(runtime: str, node: dict) -> list[str] | None:
     """Removes what is left of the rank (the container); the process runtime leaves only files."""
-    if runtime == "docker":
-        return ["docker", "rm", "--force", node["container_name"]]
-    return None
+    return node_runtime(runtime).remove_argv(node)
 
 
 def list_job_containers_argv(label: str, value: str) -> list[str]:

@@ -28,7 +28,7 @@ def job_options(func):
     return click.argument("job_file", metavar="JOB", type=click.Path(dir_okay=False))(func)
 
 
-def hosts_options(func):
+def hosts_options(func, required: bool = True):
     """``--hosts`` and DeepSpeed's resource filters."""
     func = click.option("--num-gpus", type=int, default=None, help="Use the first N GPUs of each node.")(func)
     func = click.option("--num-nodes", type=int, default=None, help="Use the first N nodes of the hostfile.")(func)
@@ -38,9 +38,30 @@ def hosts_options(func):
     return click.option(
         "--hosts",
         "hostfile",
-        required=True,
+        required=required,
         type=click.Path(dir_okay=False),
         help="DeepSpeed-format hostfile: 'HOST slots=N' per line.",
+    )(func)
+
+
+def optional_hosts_options(func):
+    """``hosts_options`` where ``--hosts`` may be left out (``launch --slurm``: Slurm picks the nodes)."""
+    return hosts_options(func, required=False)
+
+
+def slurm_options(func):
+    """``--slurm`` and what to ask Slurm for; each overrides the spec's ``slurm:`` key of that name."""
+    func = click.option("--account", default=None, help="Slurm account to charge (sbatch --account).")(func)
+    func = click.option("--time", "time_limit", default=None, help="Slurm time limit (sbatch --time).")(func)
+    func = click.option("--gpus-per-node", type=click.IntRange(min=1), default=None, help="GPUs per Slurm node.")(func)
+    func = click.option(
+        "--nodes", "nodes_wanted", type=click.IntRange(min=1), default=None, help="Slurm nodes to allocate."
+    )(func)
+    func = click.option("--partition", default=None, help="Slurm partition (sbatch --partition).")(func)
+    return click.option(
+        "--slurm",
+        is_flag=True,
+        help="Submit to Slurm (sbatch) instead of starting on --hosts; the default when the spec has slurm:.",
     )(func)
 
 

@@ -204,6 +204,23 @@ class LaunchSpec(_Strict):
         return value
 
 
+class SlurmSpec(_Strict):
+    """Where ``dzctl launch --slurm`` asks Slurm for nodes (each key also a ``launch --slurm`` option)."""
+
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,-]+$")
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int | None = Field(None, ge=1)  # default: the GPU job's slots (1 for a CPU job)
+    time: str | None = Field(None, pattern=r"^[0-9:-]+$")  # sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS
+    account: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    # pyxis: the trainer runs in the job's image through `srun --container-image` (enroot), no docker.
+    container: Literal["none", "pyxis"] = "none"
+    # Each GPU's memory for the memory planner: the job is planned before Slurm picks the nodes.
+    gpu_mem_gib: float | None = Field(None, gt=0)
+    # The Python with dzctl that the allocation's own steps run (node wrapper, preflight); it must be
+    # at this path on every node (a shared filesystem). Default: the interpreter that submits.
+    python: str | None = None
+
+
 class JobSpec(_Strict):
     version: Literal[1] = 1
     name: str = Field(pattern=JOB_NAME)
@@ -218,6 +235,7 @@ class JobSpec(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec)
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     launch: LaunchSpec = Field(default_factory=LaunchSpec)
+    slurm: SlurmSpec | None = None  # launch through Slurm (sbatch) instead of over SSH to a hostfile
 
 
 def parse_mount(mount: str) -> tuple[str, str, str]:

@@ -158,9 +158,9 @@ def test_auto_resolves_to_liger_on_gpus_chunked_on_cpu_and_none_for_unknown_head
 )
 def test_launch_writes_the_resolved_loss_into_the_job_file(job, sets, capability, expected):
     """What `dzctl launch` does after preflight: plan memory, then write each node's job.yaml."""
-    from orchestrator.commands.launch import memory_choice
     from orchestrator.hostfile import Node
     from orchestrator.jobfiles import job_files
+    from orchestrator.launcher import memory_choice
     from orchestrator.plan import make_plan
 
     loaded = load_job(ROOT / "jobs" / job, sets)

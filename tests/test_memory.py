@@ -404,9 +404,9 @@ def test_plan_for_job_resolves_fused_loss_auto_to_liger_on_gpus():
 
 
 def test_precision_auto_follows_the_gpus_compute_capability():
-    from orchestrator.commands.launch import memory_choice
     from orchestrator.errors import SpecError
     from orchestrator.hostfile import Node
+    from orchestrator.launcher import memory_choice
 
     nodes = [Node("gpu-node-1", (0, 1))]
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml")  # precision: auto

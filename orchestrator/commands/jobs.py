@@ -13,6 +13,8 @@ from ..errors import DzError, RuntimeFailure
 from ..observe import fetch_outputs, gather_status, progress_history, stop_nodes, stream_logs, tracker_locations
 from ..options import json_option, ssh_options
 from ..preflight.collective_result import describe_collective
+from ..slurm import backend as slurm_backend
+from ..slurm.backend import is_slurm
 from ..ssh import HostPool
 from ..status import JobStatus
 from ..store import FINAL_STATES, JobRecord, JobStore
@@ -55,6 +57,9 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
                 click.echo(_render_list(records))
             return
         record = store.get(job_ref)
+        if is_slurm(record):
+            _slurm_status(record, store, as_json, watch, interval)
+            return
         with _pool(record, ssh_config, trust_new_hosts) as pool:
             if watch and not as_json:
                 # The same view as launch --follow (plain lines when not a terminal); it only looks.
@@ -77,6 +82,18 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
                 if not watch or status.state in FINAL_STATES:
                     return
                 time.sleep(interval)
+
+
+def _slurm_status(record: JobRecord, store: JobStore, as_json: bool, watch: bool, interval: float) -> None:
+    """A Slurm job: its state from Slurm (squeue, scontrol, sacct), its ranks' from the shared job dir."""
+    while True:
+        status = slurm_backend.gather_status(store.get(record.job_id))
+        if status.state != record.state and (status.state in FINAL_STATES or record.state in ("starting", "pending")):
+            store.set_state(record.job_id, status.state)
+        click.echo(json.dumps(status.to_dict()) if as_json else render_status(status))
+        if not watch or status.state in FINAL_STATES:
+            return
+        time.sleep(interval)
 
 
 def _history_outputs(record: JobRecord, pool: HostPool, plot_path: Path | None) -> list[str]:
@@ -173,6 +190,11 @@ def logs_command(job_ref, rank, follow, tail, fetch_dir, ssh_config, trust_new_h
         record = store.get(job_ref)
     if rank is not None and not 0 <= rank < len(record.hosts):
         raise click.BadParameter(f"job {record.job_id} has ranks 0-{len(record.hosts) - 1}", param_hint="--rank")
+    if is_slurm(record):
+        if fetch_dir is not None:
+            raise click.UsageError("--fetch: a Slurm job's outputs are already on the shared path in its record")
+        slurm_backend.stream_logs(record, ranks=None if rank is None else [rank], tail=tail, follow=follow)
+        return
     with _pool(record, ssh_config, trust_new_hosts) as pool:
         if fetch_dir is not None:
             written = fetch_outputs(record, pool, fetch_dir)
@@ -195,11 +217,15 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
     """Stop every node of a job at once and remove its containers."""
     with JobStore() as store:
         record = store.get(job_ref)
-        with _pool(record, ssh_config, trust_new_hosts) as pool:
-            outcomes = stop_nodes(record, pool, remove=True)
-            failed = {h: o for h, o in outcomes.items() if isinstance(o, DzError)}
-            if not failed and record.state not in ("succeeded", "failed"):
-                store.set_state(record.job_id, "stopped", reason="dzctl stop")
+        if is_slurm(record):
+            # scancel; the outcome per node as the SSH fleet reports it.
+            outcomes = {h: o if o == "stopped" else DzError(o) for h, o in slurm_backend.stop(record).items()}
+        else:
+            with _pool(record, ssh_config, trust_new_hosts) as pool:
+                outcomes = stop_nodes(record, pool, remove=True)
+        failed = {h: o for h, o in outcomes.items() if isinstance(o, DzError)}
+        if not failed and record.state not in ("succeeded", "failed"):
+            store.set_state(record.job_id, "stopped", reason="dzctl stop")
         result = {
             "job": record.name,
             "job_id": record.job_id,

@@ -1,0 +1,325 @@
+"""``dzctl launch --slurm`` on a real Slurm cluster (issue 17).
+
+slurmctld on this machine (the submit host), a slurmd in each of two test hosts
+(tests/slurmhosts.py), real DeepSpeed ZeRO-3 on CPU over gloo, one rank per
+node, the tiny job. The job directory is a path every node shares (the hosts
+share this machine's filesystem, like nodes on NFS). One cluster per runtime
+for the whole module; each test its own job name.
+
+The pyxis form is checked as text (``bash -n`` and a golden file): pyxis/enroot
+are not installed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "fixtures" / "slurm" / "pyxis-2x4.sbatch"
+
+
+# -- the batch script, pure ------------------------------------------------------------------------
+def _gpu_job(*sets: str):
+    from orchestrator.spec import load_job
+
+    base = (
+        "name=llm-sft",
+        "image=registry.example/dzctl:cuda",
+        "accelerator=gpu",
+        "launch.remote_dir=/shared/dzctl",
+        "slurm.container=pyxis",
+        "slurm.nodes=2",
+        "slurm.gpus_per_node=4",
+        "slurm.partition=gpu",
+        "slurm.time=02:00:00",
+        "slurm.account=ml",
+    )
+    return load_job(str(ROOT / "jobs/tiny-cpu.yaml"), (*base, *sets), None)
+
+
+def test_the_pyxis_script_for_2x4_gpus_matches_its_golden_file_and_parses(tmp_path):
+    from orchestrator import launcher
+
+    job = _gpu_job()
+    request = launcher.slurm_request(job, python="/opt/dzctl/bin/python")
+    plan, script = launcher.slurm_plan(job, request, job_id="llm-sft-20261201-000000-abcd")
+    if os.environ.get("DZCTL_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(script)
+    assert script == GOLDEN.read_text()
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert plan.world_size == 8 and [n.slots for n in plan.nodes] == [4, 4]
+    assert "#SBATCH --gpus-per-node=4" in script
+    assert "--container-image=registry.example/dzctl:cuda" in script
+
+
+def test_the_process_script_runs_each_nodes_launcher_with_the_first_host_as_master(tmp_path):
+    """Run the script's node part as srun would, with Slurm's variables: the launcher line it picks."""
+    from orchestrator import launcher
+
+    job = _gpu_job("slurm.container=none", "runtime=process", "accelerator=cpu")
+    _, script = launcher.slurm_plan(job, launcher.slurm_request(job), job_id="llm-sft-x")
+    # Replace exec with echo: show what would run on node 1 of an allocation whose first host is gpu-a.
+    path = tmp_path / "job.sbatch"
+    path.write_text(script.replace(") exec ", ") echo "))
+    env = {**os.environ, "SLURM_NODEID": "1"}
+    shown = subprocess.run(["bash", str(path), "--node", "gpu-a"], capture_output=True, text=True, env=env)
+    assert shown.returncode == 0, shown.stderr
+    words = shown.stdout.split()
+    assert words[words.index("--master_addr") + 1] == "gpu-a"
+    assert words[words.index("--node_rank") + 1] == "1"
+    assert words[words.index("--nnodes") + 1] == "2"
+    assert words[3] == "run"  # the wrapper in the foreground: the Slurm step owns the process
+
+
+def test_a_host_placeholder_in_the_job_dir_is_refused(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm", "--dry-run",
+         "--set", "launch.remote_dir=/var/tmp/{host}"],
+        capture_output=True, text=True, env={**os.environ, "DZCTL_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "launch.remote_dir" in result.stderr and "{host}" in result.stderr
+    # A GPU job is planned before Slurm picks the nodes: without slurm.gpu_mem_gib it is refused, unsubmitted.
+    gpu = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm",
+         "--set", "accelerator=gpu", "--set", f"launch.remote_dir={tmp_path}/shared"],
+        capture_output=True, text=True, env={**os.environ, "DZCTL_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert gpu.returncode == 2 and "slurm.gpu_mem_gib" in gpu.stderr, gpu.stderr
+    assert not (tmp_path / "shared" / "jobs").exists()
+
+
+def test_dry_run_json_keeps_the_plan_contract_and_adds_the_script(tmp_path):
+    def dzctl(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"), *args]
+        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "DZCTL_HOME": str(tmp_path)})
+
+    shown = dzctl("--slurm", "--nodes", "2", "--dry-run", "--json", "--set", "launch.remote_dir=/shared/dz")
+    assert shown.returncode == 0, shown.stderr
+    plan = json.loads(shown.stdout)
+    assert {"job", "job_id", "world_size", "master_addr", "master_port", "nodes", "sbatch_script"} <= set(plan)
+    assert plan["world_size"] == 2 and [n["node_rank"] for n in plan["nodes"]] == [0, 1]
+    assert plan["sbatch_script"].startswith("#!/bin/bash\n") and "#SBATCH --nodes=2" in plan["sbatch_script"]
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node0 slots=1\n")
+    both = dzctl("--slurm", "--hosts", str(hosts), "--dry-run")
+    assert both.returncode == 2 and "--slurm and --hosts" in both.stderr
+
+
+# -- a real cluster ----------------------------------------------------------------------------------
+def _require_slurm(docker: bool = False) -> None:
+    from conftest import require_test_hosts
+    from slurmhosts import missing_slurm
+
+    require_test_hosts(docker=docker)
+    missing = missing_slurm()
+    if missing:
+        reason = "Slurm test hosts need: " + ", ".join(missing)
+        if os.environ.get("DZCTL_REQUIRE_INTEGRATION") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm_process(tmp_path_factory):
+    _require_slurm()
+    from slurmhosts import SlurmCluster
+
+    with SlurmCluster(2, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def slurm_docker(tmp_path_factory, cpu_image_tag, local_docker_url):
+    _require_slurm(docker=True)
+    from slurmhosts import SlurmCluster
+
+    with SlurmCluster(2, docker=True, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
+        # Slurm ships no image: the nodes have it already, as a site's nodes would (a registry, a load).
+        archive = cluster.hosts.workdir / "image.tar"
+        subprocess.run(["docker", "-H", local_docker_url, "save", "-o", str(archive), cpu_image_tag], check=True)
+        loads = [
+            subprocess.Popen(["docker", "-H", host.docker_host, "load", "-i", str(archive)], stdout=subprocess.DEVNULL)
+            for host in cluster.hosts.hosts
+        ]
+        assert all(load.wait() == 0 for load in loads)
+        archive.unlink()
+        yield cluster, cpu_image_tag
+
+
+class SlurmController:
+    """The real dzctl CLI against one Slurm cluster, with its own DZCTL_HOME and job name."""
+
+    def __init__(self, cluster, tmp_path: Path, runtime: str, image: str | None = None) -> None:
+        self.cluster = cluster
+        self.runtime = runtime
+        self.home = tmp_path / "home"
+        self.job = f"slurm-{runtime}-{tmp_path.name[-10:]}".lower().replace("_", "-")
+        self.remote = f"/var/tmp/dzctl-slurm-{cluster.hosts.cid}"
+        self.sets = [
+            f"name={self.job}",
+            f"runtime={runtime}",
+            f"launch.remote_dir={self.remote}",
+            "launch.master_port=29641",
+            "train.save_steps=100",
+            "slurm.nodes=2",
+        ]
+        if runtime == "process":
+            self.sets.append(f"launch.python={sys.executable}")
+        if image:
+            self.sets.append(f"image={image}")
+
+    def dzctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        env = {**self.cluster.env, "DZCTL_HOME": str(self.home), "PYTHONPATH": str(ROOT)}
+        env.pop("DOCKER_HOST", None)  # each node's job steps talk to that node's own dockerd
+        # dzctl as a login node runs it: Slurm's client commands reach this cluster's munged.
+        argv = self.cluster.in_namespace([sys.executable, "-m", "orchestrator", *args])
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+
+    def launch(self, *extra: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
+        sets = [item for s in [*self.sets, f"train.max_steps={steps}"] for item in ("--set", s)]
+        return self.dzctl("launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm", *sets, *extra, timeout=timeout)
+
+    def slurm_job_id(self) -> str:
+        from orchestrator.store import JobStore
+
+        with JobStore(self.home / "jobs.sqlite") as store:
+            return store.get(self.job).plan["slurm"]["job_id"]
+
+    def status(self) -> dict:
+        result = self.dzctl("status", self.job, "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.status()
+            if predicate(status):
+                return status
+            time.sleep(2)
+        pytest.fail(f"timed out after {timeout:g} s waiting for {what}; last status: {status}")
+
+    def leftovers(self) -> str:
+        """What of the job still runs on either node: processes (both runtimes' wrappers), containers."""
+        found = subprocess.run(["pgrep", "-af", f"{self.remote}/jobs/{self.job}-"], capture_output=True, text=True)
+        left = found.stdout.strip()
+        if self.runtime == "docker":
+            for host in self.cluster.hosts.hosts:
+                argv = ["docker", "-H", host.docker_host, "ps", "-aq", "--filter", f"label=dzctl.job={self.job}"]
+                left += subprocess.run(argv, capture_output=True, text=True).stdout.strip()
+        return left
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL node ``rank``'s launcher (the container, for docker), as a crash or the OOM killer would."""
+        job_dir = f"{self.remote}/jobs/{self.status()['job_id']}"
+        if self.runtime == "docker":
+            host = self.cluster.hosts.hosts[rank]
+            name = f"dzctl-{self.status()['job_id']}-{rank}"
+            subprocess.run(["docker", "-H", host.docker_host, "kill", "--signal", "KILL", name], check=True)
+            return
+        pattern = rf"^\S+ -m torch\.distributed\.run --nnodes 2 --node_rank {rank} .*{job_dir}/job.yaml"
+        subprocess.run(["pkill", "-9", "-f", pattern], check=True)
+
+
+@pytest.fixture(params=["process", "docker"])
+def controller(request, tmp_path):
+    if request.param == "docker":
+        cluster, image = request.getfixturevalue("slurm_docker")
+        made = SlurmController(cluster, tmp_path, "docker", image=image)
+    else:
+        made = SlurmController(request.getfixturevalue("slurm_process"), tmp_path, "process")
+    yield made
+    made.dzctl("stop", made.job)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_tiny_job_trains_across_both_slurm_nodes_and_reports_through_slurm(controller):
+    result = controller.launch("--follow", "--json", steps=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = json.loads(result.stdout)
+    assert final["state"] == "succeeded", final
+    status = controller.status()
+    assert status["state"] == "succeeded"
+    # The job left the queue: the accounting has it (what `dzctl status` read), as COMPLETED.
+    slurm_id = controller.slurm_job_id()
+    acct = controller.cluster.client(["sacct", "-X", "-n", "-P", "-j", slurm_id, "-o", "State"]).stdout.split()
+    assert acct == ["COMPLETED"]
+    assert controller.cluster.client(["squeue", "-h", "-j", slurm_id], check=False).stdout.strip() == ""
+    # Each rank on its own allotted node, as Slurm's node ids ordered them.
+    assert [(n["node_rank"], n["host"], n["exit_code"]) for n in status["nodes"]] == [
+        (0, "node0", 0),
+        (1, "node1", 0),
+    ]
+    assert status["progress"]["step"] == 3 and status["first_failure"] is None
+    logs = controller.dzctl("logs", controller.job)
+    assert logs.returncode == 0, logs.stderr
+    assert "[0 node0] " in logs.stdout and "[1 node1] " in logs.stdout
+    assert any(line.startswith("[0 node0] ") and "train_loss" in line for line in logs.stdout.splitlines())
+    assert controller.leftovers() == ""
+    # Stopping a job that already ended is not an error (scancel refuses it; nothing runs), nor a new state.
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert controller.status()["state"] == "succeeded"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_stop_cancels_the_slurm_job_and_leaves_nothing_on_either_node(controller):
+    result = controller.launch("--detach", "--json", steps=100000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["slurm_job_id"]
+    controller.wait_for(lambda s: (s["progress"] or {}).get("step", 0) >= 1, 600, "training to reach step 1")
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert set(json.loads(stopped.stdout)["hosts"].values()) == {"stopped"}
+    status = controller.status()
+    assert status["state"] == "stopped"
+    assert all(n["state"] != "running" for n in status["nodes"])
+    assert controller.leftovers() == ""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_slurm_job_on_both_nodes_and_is_named(controller):
+    result = controller.launch("--detach", steps=100000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    controller.wait_for(lambda s: (s["progress"] or {}).get("step", 0) >= 2, 600, "training to reach step 2")
+    controller.kill_rank(1)
+    status = controller.wait_for(
+        lambda s: s["state"] == "failed" and all(n["state"] == "exited" for n in s["nodes"]), 120, "gang failure"
+    )
+    assert status["first_failure"]["node_rank"] == 1, status
+    assert status["first_failure"]["exit_code"] == 137
+    assert status["nodes"][0]["exit_code"] != 0
+    assert controller.leftovers() == ""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_failed_check_inside_the_allocation_ends_the_job_before_training(slurm_process, tmp_path):
+    controller = SlurmController(slurm_process, tmp_path, "process")
+    controller.sets = [s for s in controller.sets if not s.startswith("launch.python=")]
+    controller.sets.append("launch.python=/nonexistent/python3")  # the nodes' Python env check fails
+    result = controller.launch("--follow", steps=3)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "preflight failed on 2 of 2 node(s): node0, node1" in result.stderr
+    status = controller.status()
+    assert status["state"] == "failed"
+    assert [n["state"] for n in status["nodes"]] == ["missing", "missing"]  # no launcher ever started
+    assert "preflight failed on 2 of 2" in status["first_failure"]["reason"]
+    # The same report as `dzctl preflight`, in the batch log.
+    batch_log = next(Path(f"{controller.remote}/jobs/{status['job_id']}").glob("slurm-*.out")).read_text()
+    assert "python-env" in batch_log and "/nonexistent/python3" in batch_log

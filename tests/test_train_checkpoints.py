@@ -63,6 +63,20 @@ def test_resume_auto_takes_newest_complete(tmp_path):
     assert chosen is not None and chosen.step == 20
 
 
+def test_a_checkpoint_past_max_steps_is_refused_and_one_at_it_is_taken(tmp_path):
+    """A longer run's checkpoint in the same output dir: resuming it would train nothing and save
+    that run's weights as this run's model (seen: "end step 32/30")."""
+    make_checkpoint(tmp_path, 30, 2)
+    assert checkpoints.choose_resume("auto", tmp_path, 2, max_steps=30).step == 30  # a relaunch of a finished run
+    assert checkpoints.choose_resume("auto", tmp_path, 2, max_steps=0).step == 30  # epochs decide, not steps
+    make_checkpoint(tmp_path, 32, 2)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.choose_resume("auto", tmp_path, 2, max_steps=30)
+    assert "step 32, past this run's train.max_steps 30" in err.value.message
+    assert "train.output_dir" in err.value.fix and "above 32" in err.value.fix
+    assert checkpoints.choose_resume("never", tmp_path, 2, max_steps=30) is None
+
+
 def test_resume_auto_with_nothing_starts_fresh(tmp_path):
     assert checkpoints.choose_resume("auto", tmp_path / "none-yet", 2) is None
     make_checkpoint(tmp_path, 10, 2)

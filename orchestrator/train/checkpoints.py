@@ -110,7 +110,9 @@ def list_checkpoints(output_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def choose_resume(resume: str, output_dir: Path, world_size: int, *, load_universal: bool = False) -> Checkpoint | None:
+def choose_resume(
+    resume: str, output_dir: Path, world_size: int, *, load_universal: bool = False, max_steps: int = 0
+) -> Checkpoint | None:
     """The checkpoint to continue from: ``auto`` (newest complete, or none), ``never``, or a path.
 
     Refuses, before any model is built, a checkpoint written by another number of
@@ -132,6 +134,15 @@ def choose_resume(resume: str, output_dir: Path, world_size: int, *, load_univer
         chosen = inspect(path)
         if not chosen.complete:
             raise CheckpointError(f"train.resume: {path} is incomplete: {chosen.problem}", fix="resume an older one")
+    if max_steps > 0 and chosen.step > max_steps:
+        # Another, longer run left it in this output dir (the default dir is per job name): resuming
+        # would train nothing and save that run's weights as this one's ("step 32/30").
+        raise CheckpointError(
+            f"checkpoint {chosen.path} is at step {chosen.step}, past this run's train.max_steps {max_steps}: "
+            "it was written by a longer run into the same output directory",
+            fix=f"raise train.max_steps above {chosen.step} to continue that run, or give this run its own "
+            f"train.output_dir (or delete the checkpoint-* folders in {chosen.path.parent})",
+        )
     if chosen.world_size != world_size and not load_universal:
         raise CheckpointError(
             f"checkpoint {chosen.path} was written by {chosen.world_size} data-parallel ranks; "

@@ -549,7 +549,9 @@ def train(
     ranks = Ranks.from_env(node_local=spec.train.output_storage == "node-local")
     settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
     universal = (spec.zero.overrides.get("checkpoint") or {}).get("load_universal") is True
-    resume = checkpoints.choose_resume(spec.train.resume, output_dir, ranks.world_size, load_universal=universal)
+    resume = checkpoints.choose_resume(
+        spec.train.resume, output_dir, ranks.world_size, load_universal=universal, max_steps=spec.train.max_steps
+    )
     if ranks.rank == 0:
         print(
             f"dzctl-train: {ranks.world_size} ranks, micro-batch {settings.micro_batch_size}, "

@@ -197,7 +197,15 @@ def test_stop_leaves_nothing_running_and_a_relaunch_resumes(controller):
     assert all(n["state"] != "running" for n in status["nodes"])
     for host in controller.cluster.hosts:
         assert controller.leftovers(host) == "", f"the stopped job left something on {host.name}"
-    relaunch = controller.launch("--follow", steps=saved + 2)
+    # The run may have saved again between that read and the stop: the relaunch must go past
+    # the newest checkpoint on disk (one past its max_steps is refused, as a longer run's).
+    on_disk = [
+        int(p.name.removeprefix("checkpoint-"))
+        for index in range(len(controller.cluster.hosts))
+        for p in controller.output_dir(index).glob("checkpoint-*")
+        if p.name.removeprefix("checkpoint-").isdigit()
+    ]
+    relaunch = controller.launch("--follow", steps=max([saved, *on_disk]) + 2)
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
     starts = [e for e in _progress_events(progress) if e["event"] == "start"]
     assert starts[-1]["step"] >= saved, f"the relaunch started at {starts[-1]['step']}, not from checkpoint {saved}"

@@ -102,12 +102,7 @@ def start(args: argparse.Namespace) -> int:
         print(f"rank {args.rank} already runs as pid {previous['pid']}", file=sys.stderr)
         return 1
     state_path.unlink(missing_ok=True)
-    env = dict(os.environ)
-    for item in args.env:
-        name, _, value = item.partition("=")
-        env[name] = value
-    if args.env_file:
-        env.update(_read_env_file(args.env_file))
+    env = _command_env(args)
     if not args.command:
         print("no command given after --", file=sys.stderr)
         return 2
@@ -122,6 +117,17 @@ def start(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     print(f"the supervisor did not report within {STATE_WAIT_S:g} s; see {log_path}", file=sys.stderr)
     return 1
+
+
+def _command_env(args: argparse.Namespace) -> dict[str, str]:
+    """This process's environment, then each ``--env NAME=VALUE``, then ``--env-file``."""
+    env = dict(os.environ)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    if args.env_file:
+        env.update(_read_env_file(args.env_file))
+    return env
 
 
 def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_path: Path) -> None:
@@ -166,12 +172,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the command in the foreground (under a Slurm step): record it as ``start`` does, return its code."""
     log_path, state_path = _paths(args.job_dir, args.rank)
     state_path.unlink(missing_ok=True)
-    env = dict(os.environ)
-    for item in args.env:
-        name, _, value = item.partition("=")
-        env[name] = value
-    if args.env_file:
-        env.update(_read_env_file(args.env_file))
+    env = _command_env(args)
     if not args.command:
         print("no command given after --", file=sys.stderr)
         return 2

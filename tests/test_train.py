@@ -45,10 +45,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def train(output: Path, *sets: str, nproc: int = 2, job: Path = JOB) -> subprocess.CompletedProcess:
+def train(
+    output: Path, *sets: str, nproc: int = 2, job: Path = JOB, script: Path | None = None
+) -> subprocess.CompletedProcess:
+    """torchrun of the trainer (or of ``script``, a wrapper taking the trainer's arguments)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     argv += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    argv += ["-m", "orchestrator.train", str(job), "--output-dir", str(output)]
+    argv += [str(script)] if script else ["-m", "orchestrator.train"]
+    argv += [str(job), "--output-dir", str(output)]
     for item in sets:
         argv += ["--set", item]
     return subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT, check=False)

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_arch_default()
         save = not args.no_save and loaded.spec.train.save  # either one turns saving off
         run.train(loaded, output_dir=output_dir, ds_config_path=args.ds_config, save=save, log=log)
+        end_process_group()
         return 0
     except BaseException as exc:  # every failure must leave an error event
         if isinstance(exc, SystemExit) and exc.code in (0, None):
@@ -127,6 +128,21 @@ def main(argv: list[str] | None = None) -> int:
 
         end_node(code)  # multi-node: ends the node now (see gang.end_node); otherwise returns
         return code
+
+
+def end_process_group() -> None:
+    """Destroy this rank's process group while the interpreter is still whole.
+
+    Left to interpreter exit, gloo's worker threads can still hold finished work whose tensors
+    reference Python objects; freeing them then needs the GIL of an interpreter being torn down,
+    and the rank aborts (SIGABRT) after a run that succeeded, failing the node. Seen once in CI
+    (exit -6 after the `end` event); the mechanism is described in pytorch/pytorch pull request
+    179291. Only after success: every rank is past its last collective, so this waits on no peer.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _one_line(exc: BaseException) -> str:

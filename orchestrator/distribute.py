@@ -26,10 +26,13 @@ Wire codecs (``codec=``): ``none``; ``gzip`` (``docker load`` reads gzip itself,
 extra tool); ``zstd`` (nodes need the ``zstd`` binary; checked first, else gzip). ``auto`` picks
 zstd when every needing node has it, else gzip: the SSH layer (paramiko) is slow per
 connection on small machines, so shrinking the stream beats the CPU the codec costs.
-Measured here: the 1.65 GB CPU image went to 3 hosts in 177 s (zstd, 527 MB on the wire)
-against 293 s for three parallel `docker save | ssh docker load` pipes
-(benchmarks/distribute.py, benchmarks/results/distribute.json; one run each, on a 2-core
-machine shared with other test sessions).
+Measured on a quiet 2-core machine, the 1.82 GB CPU image to 3 test hosts on that same machine
+(benchmarks/distribute.py --codecs, benchmarks/results/distribute-quiet-20261201.txt, one run each):
+zstd 121 s and 130 s (596 MB on the wire), gzip 140 s, none 147 s, against 116 s for three
+parallel `docker save | ssh docker load` pipes (OpenSSH, not paramiko). Every method there shares
+two cores and one disk with the three `docker load`s; zstd is chosen for sending a third of the
+bytes, which is what a controller's one uplink to many nodes carries (not measured here: the test
+hosts share no link).
 """
 
 from __future__ import annotations

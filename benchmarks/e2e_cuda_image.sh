@@ -19,4 +19,5 @@ OUT="benchmarks/results/e2e-cuda-image-$(date -u +%Y%m%d).txt"
 DZCTL_TEST_E2E_IMAGE="$IMAGE" DZCTL_REQUIRE_INTEGRATION=1 .venv/bin/python -m pytest -p no:cacheprovider -v \
     tests/test_e2e.py -k "test_launch_runs_to_success_with_progress_and_a_consolidated_model and docker" 2>&1 |
     tee -a "$OUT"
+sed -i "s#$PWD#<checkout>#g" "$OUT"  # the record names no machine's paths
 echo "ended $(date -u '+%Y-%m-%d %H:%M:%S UTC')" >> "$OUT"

@@ -60,7 +60,7 @@ from .layers import (
     plan_streams,
     tar_stream,
 )
-from .layerstore import LayerStore, StoredImage, daemon_is_local, default_root, registry_binary
+from .layerstore import LayerStore, StoredImage, open_store
 
 CHUNK = 1 << 20
 # How long one node may refuse to take data while the others wait on it. `docker load` pauses
@@ -455,7 +455,7 @@ def distribute_image(
         phases[label] = phases.get(label, 0.0) + time.monotonic() - step
 
     with contextlib.ExitStack() as cleanup:
-        store = _open_store(layer_store, client, notes, cleanup)
+        store = open_store(layer_store, client, notes, cleanup)
         plan = plan_streams(layers, [held[host] for host in needing], store.known_layers() if store else None)
         stored = None
         if plan.push_first:
@@ -478,7 +478,9 @@ def distribute_image(
                     progress.state[host] = "retrying whole"
                     full.append(host)
         if full:
-            send(full, 0)
+            # Nodes that hold nothing stream from the store only when it already held the whole
+            # image (dzctl build fills it); retried nodes alone keep docker save as the fallback.
+            send(full, 0, stored if plan.sources.get(0) == "store" else None)
         if primer is not None:
             step = time.monotonic()
             primer.wait(notes)
@@ -501,27 +503,6 @@ def distribute_image(
     used = codecs["save"].name if "save" in codecs else "none"
     elapsed = time.monotonic() - started
     return DistributeResult(image, image_id, used, ordered, raw, wire, elapsed, phases, notes)
-
-
-def _open_store(layer_store, client, notes: list[str], cleanup: contextlib.ExitStack) -> LayerStore | None:
-    """The running layer store, or None (with the reason in ``notes`` where a user can act on it)."""
-    root = default_root() if layer_store == "auto" else layer_store
-    if root is None:
-        return None
-    if registry_binary() is None:
-        notes.append(
-            "no layer store (docker-registry is not installed here): after a code change docker save"
-            " exports the whole image again; apt-get install docker-registry"
-        )
-        return None
-    if not daemon_is_local(client):
-        notes.append("no layer store: the Docker daemon is not on this machine")
-        return None
-    try:
-        return cleanup.enter_context(LayerStore(Path(root)))
-    except RuntimeFailure as exc:
-        notes.append(f"no layer store this time: {exc}")
-        return None
 
 
 class _Primer:

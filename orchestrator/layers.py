@@ -243,17 +243,23 @@ def plan_streams(layers: list[str], held_counts: Iterable[int], store_layers: se
     """Choose the source of every group's stream (pure).
 
     A group that holds ``k`` bottom layers streams from the store when the store already holds
-    those ``k`` (the push then exports only layers that group lacks anyway); otherwise, and for
-    nodes that hold nothing, from ``docker save``, as before. A store that lacks some of the
-    image's layers is filled while the save streams run (``prime``).
+    those ``k`` (the push then exports only layers that group lacks anyway). A group that holds
+    nothing streams from the store when the store will hold the whole image once pushed: it held
+    it already (``dzctl build`` filled it), or another group's push adds the rest. Otherwise the
+    push would gzip every layer before a byte is sent, and ``docker save`` it is. A store that
+    lacks some of the image's layers is filled while the save streams run (``prime``).
     """
     counts = sorted(set(held_counts))
     if store_layers is None:
         return StreamPlan(dict.fromkeys(counts, "save"), push_first=False, prime=False)
-    sources = {
-        count: "store" if count and all(layer in store_layers for layer in layers[:count]) else "save"
-        for count in counts
-    }
+
+    def holds(prefix: list[str]) -> bool:
+        return all(layer in store_layers for layer in prefix)
+
+    sources = {count: "store" if count and holds(layers[:count]) else "save" for count in counts}
     push_first = "store" in sources.values()
-    prime = not push_first and not all(layer in store_layers for layer in layers)
+    if 0 in sources and (push_first or holds(layers)):
+        sources[0] = "store"
+        push_first = True
+    prime = not push_first and not holds(layers)
     return StreamPlan(sources, push_first, prime)

@@ -21,7 +21,7 @@ from test_distribute import build_local, host_image_id
 from orchestrator.distribute import distribute_image
 from orchestrator.errors import RuntimeFailure
 from orchestrator.layers import layer_member, load_manifest, plan_streams, tar_stream
-from orchestrator.layerstore import LayerStore, daemon_is_local, registry_config
+from orchestrator.layerstore import LayerStore, daemon_is_local, fill_store, registry_config
 from orchestrator.ssh import HostPool
 
 # -- pure parts -----------------------------------------------------------------------------------
@@ -56,14 +56,22 @@ def test_plan_streams_uses_the_store_only_for_layers_it_already_has():
     plan = plan_streams([a, b, c], [0, 2], set())
     assert (plan.sources, plan.push_first, plan.prime) == ({0: "save", 2: "save"}, False, True)
     # The store has what the node holds: push first (only c is new to it), stream from the store;
-    # a node holding nothing still gets the full save stream.
+    # after that push the store holds the whole image, so a node holding nothing takes its blobs too.
     plan = plan_streams([a, b, c], [0, 2], {a, b})
-    assert (plan.sources, plan.push_first, plan.prime) == ({0: "save", 2: "store"}, True, False)
+    assert (plan.sources, plan.push_first, plan.prime) == ({0: "store", 2: "store"}, True, False)
     # The store lacks a layer the node holds: the push would export it, so docker save it is.
     plan = plan_streams([a, b, c], [2], {a})
     assert (plan.sources, plan.push_first, plan.prime) == ({2: "save"}, False, True)
-    # Everything known: nothing to fill.
-    assert not plan_streams([a, b, c], [0], {a, b, c}).prime
+    # A fresh node and a part-filled store: the push would gzip b and c first, so docker save it is.
+    plan = plan_streams([a, b, c], [0], {a})
+    assert (plan.sources, plan.push_first, plan.prime) == ({0: "save"}, False, True)
+
+
+def test_plan_streams_sends_a_fresh_node_the_stored_blobs_of_a_built_image():
+    # dzctl build filled the store: no docker save (and no compression) while the nodes wait.
+    a, b, c = "sha256:a", "sha256:b", "sha256:c"
+    plan = plan_streams([a, b, c], [0], {a, b, c})
+    assert (plan.sources, plan.push_first, plan.prime) == ({0: "store"}, True, False)
 
 
 def test_the_store_is_used_only_with_a_daemon_on_this_machine():
@@ -153,6 +161,57 @@ def test_a_code_change_comes_from_the_store_without_a_whole_image_save(
     assert host_image_id(hosts, hosts.hosts[0], "dzctl-test/store:v2b") == v2b
     # The store's name for the image was a push detail: the controller's image keeps only its own.
     assert client.images.get("dzctl-test/store:v2").tags == ["dzctl-test/store:v2"]
+
+
+@pytest.mark.integration
+def test_a_built_image_reaches_fresh_nodes_from_the_store_without_docker_save(
+    cluster, local_docker_url, base_image, tmp_path, registry_binary
+):
+    # dzctl build ends with fill_store: the first distribution then needs no docker save and no
+    # compression on the controller, even for nodes that hold nothing.
+    hosts = cluster(2, docker=True)
+    store = tmp_path / "store"
+    built = build_local(
+        local_docker_url,
+        "dzctl-test/built:v1",
+        f"FROM {base_image}\nRUN echo {tmp_path.name} > /one\n",
+        tmp_path / "v1",
+    )
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
+    filled = fill_store(client, built, layer_store=store)
+    assert filled.to_dict() | {"elapsed_s": 0} == {
+        "filled": True,
+        "layers_pushed": 2,
+        "layers_total": 2,
+        "elapsed_s": 0,
+        "note": filled.note,
+    }
+    assert filled.note.startswith("layer store: 2 of 2 layers pushed")
+    saves: list[str] = []
+    real_get_image = client.api.get_image
+    client.api.get_image = lambda name, *a, **k: saves.append(name) or real_get_image(name, *a, **k)
+    names = [host.name for host in hosts.hosts]
+    with HostPool(names, ssh_config=hosts.ssh_config) as pool:
+        first = distribute_image("dzctl-test/built:v1", names, pool, client=client, codec="zstd", layer_store=store)
+    assert first.ok, first.to_dict()
+    assert saves == [], "the whole image was exported by docker save"
+    for name in names:
+        outcome = first.hosts[name]
+        assert (outcome.source, outcome.layers_held, outcome.layers_total) == ("store", 0, 2), outcome.to_dict()
+        assert host_image_id(hosts, hosts.host(name), "dzctl-test/built:v1") == built
+    assert first.codec == "none"  # the stored blobs are gzip already: no second compression
+    assert "layer store: 0 of 2 layers were new to it" in first.notes, first.notes
+    # Filling again is cheap and changes nothing: the daemon remembers what it pushed.
+    assert fill_store(client, built, layer_store=store).stored.layers_pushed == 0
+
+
+@pytest.mark.integration
+def test_fill_store_says_why_when_there_is_no_store(local_docker_url, base_image):
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
+    image_id = client.images.get(base_image).id
+    skipped = fill_store(client, image_id, layer_store=None)
+    assert skipped.stored is None and not skipped.to_dict()["filled"]
+    assert "DZCTL_LAYER_STORE=off" in skipped.note
 
 
 @pytest.mark.integration

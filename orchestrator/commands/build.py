@@ -12,6 +12,7 @@ from rich.spinner import Spinner
 from rich.text import Text
 
 from ..image import FLAVOURS, BuildProgress, BuildRequest, build_image, docker_client, iter_versions, push_image
+from ..layerstore import fill_store
 from ..options import json_option
 
 
@@ -74,7 +75,11 @@ class BuildView:
 @click.option("--push", "registry", metavar="REGISTRY", help="Push the image to REGISTRY afterwards.")
 @json_option
 def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, torch_index_url, target, registry, as_json):
-    """Build the image every node runs and label it with the versions inside it."""
+    """Build the image every node runs and label it with the versions inside it.
+
+    Then push it into the controller's layer store (DZCTL_LAYER_STORE: a folder, or off), from
+    which `dzctl distribute` sends every node only the layers it lacks.
+    """
     request = BuildRequest(
         flavour=flavour,
         tag=tag,
@@ -96,8 +101,12 @@ def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, torc
         )
     if registry:
         image = push_image(client, image, registry, on_line=lambda line: console.print(line, highlight=False))
+    # A stage (--target) is not what nodes run; the finished image is stored for distribute.
+    stored = None if target else fill_store(client, image.id)
+    if stored is not None:
+        console.print(stored.note, highlight=False, markup=False)
     if as_json:
-        click.echo(json.dumps(image.to_dict()))
+        click.echo(json.dumps({**image.to_dict(), "layer_store": stored.to_dict() if stored else None}))
         return
     click.echo(f"image  {image.tag}")
     click.echo(f"id     {image.id}")

@@ -96,7 +96,7 @@ def main() -> None:
             if ran.returncode == 0
             else ran.stderr[-800:],
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{os.cpu_count()} cores, shared with other sessions",
+            "machine": f"{os.cpu_count()} cores; 1/5/15-minute load averages at the end {os.getloadavg()}",
         }
     (out / "summary.json").write_text(redact_hosts(json.dumps(summary, indent=1)) + "\n")
     print(redact_hosts(json.dumps(summary, indent=1)))

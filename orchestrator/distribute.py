@@ -15,8 +15,11 @@ partial load fails is sent the full stream once more.
 With the controller's layer store (``layerstore.py``) a group's stream comes from there instead:
 the daemon pushes only the layers it has not pushed to the store before, and the node gets the
 config and the gzip blobs of what it lacks. That skips ``docker save``, which on Docker 20.10
-exports every layer of the image even when the stream leaves 99.9% of it out. The store is filled
-while the first full stream runs (``plan_streams`` in ``layers.py`` decides, purely).
+exports every layer of the image even when the stream leaves 99.9% of it out. ``dzctl build`` fills
+the store, so even nodes that hold nothing get the stored blobs: no ``docker save`` and no
+compression here while they wait. Where the store lacks the image (built elsewhere, or the build
+could not fill it), nodes that hold nothing get the save stream and the store is filled alongside
+(``plan_streams`` in ``layers.py`` decides, purely).
 
 A node that fails mid-transfer (connection lost, ``docker load`` error, a stalled reader) is
 dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
@@ -26,13 +29,16 @@ Wire codecs (``codec=``): ``none``; ``gzip`` (``docker load`` reads gzip itself,
 extra tool); ``zstd`` (nodes need the ``zstd`` binary; checked first, else gzip). ``auto`` picks
 zstd when every needing node has it, else gzip: the SSH layer (paramiko) is slow per
 connection on small machines, so shrinking the stream beats the CPU the codec costs.
-Measured on a quiet 2-core machine, the 1.82 GB CPU image to 3 test hosts on that same machine
-(benchmarks/distribute.py --codecs, benchmarks/results/distribute-quiet-20261201.txt, one run each):
-zstd 121 s and 130 s (596 MB on the wire), gzip 140 s, none 147 s, against 116 s for three
-parallel `docker save | ssh docker load` pipes (OpenSSH, not paramiko). Every method there shares
-two cores and one disk with the three `docker load`s; zstd is chosen for sending a third of the
-bytes, which is what a controller's one uplink to many nodes carries (not measured here: the test
-hosts share no link).
+Measured on one 2-core machine, the 1.82 GB CPU image to 3 fresh test hosts on that same machine,
+medians of 2 interleaved rounds (benchmarks/distribute_first.py,
+benchmarks/results/distribute-first-20261201.txt): from the filled store 147 s; the code before
+layer-aware distribution (one save, zstd) 167 s; three parallel `docker save | ssh docker load`
+pipes (OpenSSH) 171 s; and three `docker load -i` of a file already on the disk, with no transfer
+at all, 105 s. Every method there shares two cores and one disk with the three nodes' loads, so
+that floor (0.61x the pipes) bounds them all. Codecs alone (benchmarks/distribute.py --codecs, store
+off, distribute-quiet-20261201.txt): zstd 121 s and 130 s (596 MB on the wire), gzip 140 s, none
+147 s. zstd is chosen for sending a third of the bytes, which is what a controller's one uplink to
+many nodes carries (not measured here: the test hosts share no link).
 """
 
 from __future__ import annotations

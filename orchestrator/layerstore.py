@@ -10,9 +10,9 @@ new ones), then builds each node's ``docker load`` tarball from the stored blobs
 (byte for byte, so the ID is the same) and the gzip blobs of the layers that node lacks.
 
 ``dzctl build`` fills the store as its last step (``fill_store``), where a user expects to wait:
-the push gzips every new layer on the daemon's side (82 s for the 1.82 GB CPU image on 2 cores,
-benchmarks/results/distribute-first-*.txt), and paid during ``distribute`` it would compete with the
-streams for the CPU. With the store full, even a node that holds nothing is sent the stored blobs:
+the push gzips every new layer on the daemon's side (73 s for the 1.82 GB CPU image on 2 cores,
+benchmarks/results/distribute-first-20261201.txt; a code change: its new layers only), and paid
+during ``distribute`` it would compete with the streams for the CPU. With the store full, even a node that holds nothing is sent the stored blobs:
 no ``docker save`` and no compression while the nodes wait.
 
 The store is a cache: a folder (default ``~/.cache/dzctl/layer-store``, ``DZCTL_LAYER_STORE``

@@ -63,6 +63,23 @@ def require_test_hosts(docker: bool = False) -> None:
     pytest.skip(reason)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_layer_store(tmp_path_factory):
+    """dzctl's layer store for this test session (DZCTL_LAYER_STORE), never the user's own cache.
+
+    Shared by the session's builds and distributions, as on a controller; a test whose assertions
+    depend on the store passes its own folder (or None) instead.
+    """
+    if "DZCTL_LAYER_STORE" in os.environ:
+        yield os.environ["DZCTL_LAYER_STORE"]
+        return
+    os.environ["DZCTL_LAYER_STORE"] = str(tmp_path_factory.mktemp("layer-store"))
+    try:
+        yield os.environ["DZCTL_LAYER_STORE"]
+    finally:
+        os.environ.pop("DZCTL_LAYER_STORE", None)
+
+
 @pytest.fixture
 def cluster(tmp_path_factory):
     """Factory: ``cluster(n, docker=False)`` starts n test hosts, torn down after the test.

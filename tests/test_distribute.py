@@ -70,7 +70,8 @@ def host_image_id(cluster, host, ref: str) -> str | None:
 
 
 def dzctl(args: list[str], docker_url: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DOCKER_HOST": docker_url}
+    # This file tests the docker save streams; the layer store's are in test_distribute_store.py.
+    env = {**os.environ, "DOCKER_HOST": docker_url, "DZCTL_LAYER_STORE": "off"}
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -134,7 +135,13 @@ def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_dock
 
     with HostPool([h.name for h in hosts.hosts], ssh_config=hosts.ssh_config) as pool:
         result = distribute_image(
-            base_image, [h.name for h in hosts.hosts], pool, client=client, codec="none", on_progress=on_progress
+            base_image,
+            [h.name for h in hosts.hosts],
+            pool,
+            client=client,
+            codec="none",
+            on_progress=on_progress,
+            layer_store=None,  # the raw save stream: 40 MB in is mid-transfer
         )
     assert killed, "the victim's session was never found"
     assert not result.ok
@@ -311,16 +318,18 @@ def test_only_missing_layers_travel_and_ids_match(cluster, local_docker_url, bas
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
     base_bytes = client.images.get(base_image).attrs["Size"]
     with HostPool(names, ssh_config=hosts.ssh_config) as pool:
-        first = distribute_image("dzctl-test/layers:v1", ["node0"], pool, client=client, codec="none")
+        first = distribute_image("dzctl-test/layers:v1", ["node0"], pool, client=client, codec="none", layer_store=None)
         assert first.ok and first.hosts["node0"].layers_held == 0  # nothing in common: the full stream
         assert first.hosts["node0"].bytes_sent > base_bytes * 0.9
-        second = distribute_image("dzctl-test/layers:v2", names, pool, client=client, codec="none")
+        second = distribute_image("dzctl-test/layers:v2", names, pool, client=client, codec="none", layer_store=None)
         assert second.ok, second.to_dict()
         node0, node1 = second.hosts["node0"], second.hosts["node1"]
         assert (node0.layers_held, node0.layers_total) == (2, 3)
         assert node0.bytes_sent < 100_000, node0.bytes_sent  # the one new layer, a few KB
         assert node1.layers_held == 0 and node1.bytes_sent > base_bytes * 0.9  # fallback: whole
-        third = distribute_image("dzctl-test/layers:v2b", ["node0"], pool, client=client, codec="none")
+        third = distribute_image(
+            "dzctl-test/layers:v2b", ["node0"], pool, client=client, codec="none", layer_store=None
+        )
         assert third.ok and third.hosts["node0"].layers_held == 3
         assert third.hosts["node0"].bytes_sent < 50_000  # the config alone
     for host in hosts.hosts:
@@ -340,7 +349,7 @@ def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_
     monkeypatch.setattr(distribute, "held_layers", lambda pool, hosts, layers: dict.fromkeys(hosts, 1))
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
     with HostPool(["node0"], ssh_config=hosts.ssh_config) as pool:
-        result = distribute_image(tag, ["node0"], pool, client=client, codec="none")
+        result = distribute_image(tag, ["node0"], pool, client=client, codec="none", layer_store=None)
     assert result.ok, result.to_dict()
     assert result.hosts["node0"].layers_held == 0  # the last attempt: whole
     assert result.hosts["node0"].bytes_sent > 100_000_000

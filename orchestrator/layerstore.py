@@ -12,12 +12,13 @@ new ones), then builds each node's ``docker load`` tarball from the stored blobs
 ``dzctl build`` fills the store as its last step (``fill_store``), where a user expects to wait:
 the push gzips every new layer on the daemon's side (73 s for the 1.82 GB CPU image on 2 cores,
 benchmarks/results/distribute-first-20261201.txt; a code change: its new layers only), and paid
-during ``distribute`` it would compete with the streams for the CPU. With the store full, even a node that holds nothing is sent the stored blobs:
-no ``docker save`` and no compression while the nodes wait.
+during ``distribute`` it would compete with the streams for the CPU. With the store full, even a
+node that holds nothing is sent the stored blobs: no ``docker save`` and no compression while the
+nodes wait.
 
 The store is a cache: a folder (default ``~/.cache/dzctl/layer-store``, ``DZCTL_LAYER_STORE``
 overrides, ``off`` disables) with Debian's ``docker-registry`` (distribution 2.x) serving it on
-127.0.0.1 only while a ``distribute`` runs. Docker trusts plain HTTP on 127.0.0.0/8 without any
+127.0.0.1 only while a ``distribute`` or a ``build`` uses it. Docker trusts plain HTTP on 127.0.0.0/8 without any
 daemon setting. The port is kept in the folder: the daemon's memory of what it pushed is keyed by
 ``127.0.0.1:PORT``, so the same port keeps later pushes incremental. Deleting the folder is safe
 (the next distribute pushes everything again). One ``distribute`` at a time uses it (a lock); a

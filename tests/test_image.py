@@ -279,6 +279,25 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
 
 @pytest.mark.integration
 @pytest.mark.slow
+def test_build_ends_with_the_image_in_the_layer_store(cpu_image, local_docker_url):
+    # distribute then sends nodes the stored blobs: no docker save while they wait.
+    from orchestrator.layerstore import default_root
+
+    layers = json.loads(
+        docker_cli(
+            ["image", "inspect", "--format", "{{json .RootFS.Layers}}", cpu_image["image_id"]], local_docker_url
+        ).stdout
+    )
+    report = cpu_image["layer_store"]
+    assert report["filled"], report
+    assert report["layers_total"] == len(layers) and 0 <= report["layers_pushed"] <= len(layers)
+    assert report["note"].startswith(f"layer store: {report['layers_pushed']} of {len(layers)} layers pushed")
+    # The session's store (tests/conftest.py) records every layer the daemon pushed to it.
+    assert set(layers) <= set((default_root() / "layers.txt").read_text().split())
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image, local_docker_url):
     # The shm op was compiled at build time: loading it must not compile (no "Building extension").
     script = (

@@ -484,8 +484,8 @@ def distribute_image(
                     progress.state[host] = "retrying whole"
                     full.append(host)
         if full:
-            # Nodes that hold nothing stream from the store only when it already held the whole
-            # image (dzctl build fills it); retried nodes alone keep docker save as the fallback.
+            # Nodes that hold nothing stream from the store when the plan says so (it holds the
+            # whole image once pushed); retried nodes alone keep docker save as the fallback.
             send(full, 0, stored if plan.sources.get(0) == "store" else None)
         if primer is not None:
             step = time.monotonic()

@@ -18,11 +18,11 @@ nodes wait.
 
 The store is a cache: a folder (default ``~/.cache/dzctl/layer-store``, ``DZCTL_LAYER_STORE``
 overrides, ``off`` disables) with Debian's ``docker-registry`` (distribution 2.x) serving it on
-127.0.0.1 only while a ``distribute`` or a ``build`` uses it. Docker trusts plain HTTP on 127.0.0.0/8 without any
-daemon setting. The port is kept in the folder: the daemon's memory of what it pushed is keyed by
-``127.0.0.1:PORT``, so the same port keeps later pushes incremental. Deleting the folder is safe
-(the next distribute pushes everything again). One ``distribute`` at a time uses it (a lock); a
-second one at the same time goes without it.
+127.0.0.1 only while a ``distribute`` or a ``build`` uses it. Docker trusts plain HTTP on
+127.0.0.0/8 without any daemon setting. The port is kept in the folder: the daemon's memory of what
+it pushed is keyed by ``127.0.0.1:PORT``, so the same port keeps later pushes incremental. Deleting
+the folder is safe (the next distribute pushes everything again). One ``distribute`` at a time uses
+it (a lock); a second one at the same time goes without it.
 """
 
 from __future__ import annotations

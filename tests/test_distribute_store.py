@@ -89,6 +89,19 @@ def test_registry_config_listens_on_loopback_only(tmp_path):
 # -- real hosts -----------------------------------------------------------------------------------
 
 
+def record_saves(client) -> list[str]:
+    """The names ``client`` is asked to ``docker save`` from now on (every save goes through get_image)."""
+    saves: list[str] = []
+    real_get_image = client.api.get_image
+
+    def counted_get_image(name, *args, **kwargs):
+        saves.append(name)
+        return real_get_image(name, *args, **kwargs)
+
+    client.api.get_image = counted_get_image
+    return saves
+
+
 @pytest.fixture
 def registry_binary():
     if shutil.which("docker-registry") is None:
@@ -126,14 +139,7 @@ def test_a_code_change_comes_from_the_store_without_a_whole_image_save(
         tmp_path / "v2b",
     )
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
-    saves: list[str] = []
-    real_get_image = client.api.get_image
-
-    def counted_get_image(name, *args, **kwargs):  # every docker save goes through here
-        saves.append(name)
-        return real_get_image(name, *args, **kwargs)
-
-    client.api.get_image = counted_get_image
+    saves = record_saves(client)
     with HostPool(["node0"], ssh_config=hosts.ssh_config) as pool:
         first = distribute_image("dzctl-test/store:v1", ["node0"], pool, client=client, codec="none", layer_store=store)
         assert first.ok, first.to_dict()
@@ -187,9 +193,7 @@ def test_a_built_image_reaches_fresh_nodes_from_the_store_without_docker_save(
         "note": filled.note,
     }
     assert filled.note.startswith("layer store: 2 of 2 layers pushed")
-    saves: list[str] = []
-    real_get_image = client.api.get_image
-    client.api.get_image = lambda name, *a, **k: saves.append(name) or real_get_image(name, *a, **k)
+    saves = record_saves(client)
     names = [host.name for host in hosts.hosts]
     with HostPool(names, ssh_config=hosts.ssh_config) as pool:
         first = distribute_image("dzctl-test/built:v1", names, pool, client=client, codec="zstd", layer_store=store)

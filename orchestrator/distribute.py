@@ -67,6 +67,7 @@ from .layers import (
     tar_stream,
 )
 from .layerstore import LayerStore, StoredImage, open_store
+from .openssh import stream_links
 
 CHUNK = 1 << 20
 # How long one node may refuse to take data while the others wait on it. `docker load` pauses
@@ -108,6 +109,7 @@ class HostOutcome:
     layers_held: int = 0  # bottom layers the node already had (not sent)
     layers_total: int = 0
     source: str = ""  # where its stream came from: save (docker save) | store (the layer store)
+    ssh_client: str = ""  # what carried the stream: openssh | paramiko | local (openssh.py)
 
     @property
     def ok(self) -> bool:
@@ -124,6 +126,7 @@ class HostOutcome:
             "layers_held": self.layers_held,
             "layers_total": self.layers_total,
             "source": self.source,
+            "ssh_client": self.ssh_client,
             "detail": self.detail,
         }
 
@@ -389,12 +392,14 @@ def distribute_image(
     on_progress: ProgressCallback | None = None,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT,
     layer_store: Path | str | None = "auto",
+    ssh_client: str = "auto",
 ) -> DistributeResult:
     """Make every node hold ``image`` under the same ID; return each node's outcome.
 
     ``nodes``: hostfile ``Node`` objects or host names. ``pool``: an ``ssh.HostPool`` over them.
     ``client``: a local docker SDK client (default: from the environment). ``layer_store``: the
     controller's layer store folder (``auto``: ``layerstore.default_root()``; None: none).
+    ``ssh_client``: what carries the streams (``openssh.stream_links``: auto, openssh, paramiko).
     """
     from .image import docker_client
 
@@ -427,12 +432,14 @@ def distribute_image(
     layers = list((found_image.attrs.get("RootFS") or {}).get("Layers") or [])
     held = held_layers(pool, needing, layers)
     phases["held"] = time.monotonic() - started - sum(phases.values())
+    links, carriers, link_notes = stream_links(pool, needing, ssh_client)
+    phases["probe the stream links"] = time.monotonic() - started - sum(phases.values())
     save_name = _save_name(image, found_image)
     repo_tags = [name] if name else []
     sent: dict[str, int] = {}
     wire = raw = 0
     codecs: dict[str, Codec] = {}
-    notes: list[str] = []
+    notes: list[str] = list(link_notes)
 
     def save_codec() -> Codec:  # asked of the nodes only when a save stream is sent
         if "save" not in codecs:
@@ -449,7 +456,7 @@ def distribute_image(
             chosen = save_codec()
             source = _Source(client, save_name, chosen, skip)
         group_sent, group_wire, group_raw = _stream_to(
-            chosen, pool, group, progress, on_progress, stall_timeout, outcomes, source
+            chosen, pool, group, progress, on_progress, stall_timeout, outcomes, source, links
         )
         sent.update(group_sent)
         wire, raw = wire + group_wire, raw + group_raw
@@ -457,6 +464,7 @@ def distribute_image(
             outcome = outcomes[host]
             outcome.layers_held, outcome.layers_total = count, len(layers)
             outcome.source = "store" if stored is not None else "save"
+            outcome.ssh_client = carriers[host]
         label = f"stream from the {'store' if stored is not None else 'save'}, {count}/{len(layers)} held"
         phases[label] = phases.get(label, 0.0) + time.monotonic() - step
 
@@ -571,9 +579,9 @@ def held_layers(pool, hosts: list[str], layers: list[str]) -> dict[str, int]:
     return held
 
 
-def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcomes, source):
-    """Tee ``source``'s one stream to every host's load; fill ``outcomes`` for ``hosts``; return bytes
-    per host, wire, raw."""
+def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcomes, source, links):
+    """Tee ``source``'s one stream to every host's load, through ``links[host]`` where there is one
+    (else the pool's connection); fill ``outcomes`` for ``hosts``; return bytes per host, wire, raw."""
     pipes = {host: _Pipe(host) for host in hosts}
     connections = {}
     for host in hosts:
@@ -583,7 +591,7 @@ def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcome
     def load(host: str):
         started = time.monotonic()
         try:
-            connections[host] = conn = pool.connection(host)
+            connections[host] = conn = links.get(host) or pool.connection(host)
             result = conn.run(list(codec.remote), stdin=pipes[host])
         except Exception as exc:  # every host's failure is data
             return host, exc, time.monotonic() - started
@@ -619,13 +627,18 @@ def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcome
         outcome = outcomes[host] = HostOutcome(host, "loaded", "", None, pipes[host].sent, elapsed)
         if failure is not None:
             outcome.status, outcome.detail = "failed", f"the local image stream failed: {failure}"
+        elif progress.state.get(host) == "stalled":  # its link was closed for it: that is the cause
+            outcome.status, outcome.detail = "failed", f"took no data for {stall_timeout:g} s"
         elif isinstance(result, BaseException) or result.exit_code == -1:
             # -1 is paramiko's status for a channel closed without an exit status. Either way, ask
             # the connection whether it still works, to tell a lost link from a failed command.
             outcome.status = "failed"
             after = f"after {pipes[host].sent / 1e6:,.0f} MB"
             if not _alive(connections.get(host)):
-                outcome.detail = f"SSH connection lost mid-transfer {after}"
+                said = "" if isinstance(result, BaseException) else result.stderr.strip()
+                outcome.detail = f"SSH connection lost mid-transfer {after}" + (
+                    f": {said.splitlines()[-1]}" if said else ""
+                )
             else:
                 outcome.detail = (
                     f"transfer failed {after}: {result if isinstance(result, BaseException) else 'no exit status'}"
@@ -634,8 +647,6 @@ def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcome
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
             outcome.status = "failed"
             outcome.detail = f"`{' '.join(codec.remote)}` exited {result.exit_code}: {' / '.join(tail)}"
-        elif progress.state.get(host) == "stalled":
-            outcome.status, outcome.detail = "failed", f"took no data for {stall_timeout:g} s"
         else:
             outcome.detail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "loaded"
         progress.state[host] = outcome.status

@@ -649,6 +649,8 @@ class LocalConnection:
 
     def __init__(self, host: str = "localhost") -> None:
         self.host = host
+        self._running: set[subprocess.Popen] = set()
+        self._running_lock = threading.Lock()
 
     @property
     def connected(self) -> bool:
@@ -679,6 +681,8 @@ class LocalConnection:
             # The shell would say "command not found" and exit 127; do the same.
             result = Result(self.host, tuple(argv), 127, "", f"{argv[0]}: {exc.strerror}", 0.0)
             return result.check() if check else result
+        with self._running_lock:
+            self._running.add(proc)
         out: list[bytes] = []
         err: list[bytes] = []
         threads = [
@@ -698,6 +702,9 @@ class LocalConnection:
                 f"{self.host}: `{shlex.join(map(str, argv))}` timed out after {timeout} s",
                 fix="raise the timeout or check what the command waits for",
             ) from None
+        finally:
+            with self._running_lock:
+                self._running.discard(proc)
         for thread in threads:
             thread.join()
         result = Result(self.host, tuple(argv), code, _text(out), _text(err), time.monotonic() - started)
@@ -734,6 +741,14 @@ class LocalConnection:
 
     def close(self) -> None:
         pass
+
+    def kill_running(self) -> None:
+        """Kill the commands running now (their ``run`` returns with the signal as exit code)."""
+        with self._running_lock:
+            running = list(self._running)
+        for proc in running:
+            with contextlib.suppress(OSError):
+                proc.kill()
 
 
 def _pump(stream, sink: list[bytes], callback: OutputCallback | None) -> None:

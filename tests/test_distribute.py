@@ -109,6 +109,9 @@ def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, base_ima
     sent = {h["host"]: h["bytes_sent"] for h in report["hosts"]}
     assert sent["node0"] == sent["node2"] == report["wire_bytes"] > 0
     assert sent["node1"] == 0
+    # The streams went through the system's ssh client (openssh.py), the skipped node through none.
+    carriers = {h["host"]: h["ssh_client"] for h in report["hosts"]}
+    assert carriers == {"node0": "openssh", "node1": "", "node2": "openssh"}
 
     started = time.monotonic()
     second = dzctl(args, local_docker_url)
@@ -121,7 +124,8 @@ def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, base_ima
 
 
 @pytest.mark.integration
-def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_docker_url, base_image):
+@pytest.mark.parametrize("ssh_client", ["openssh", "paramiko"])
+def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_docker_url, base_image, ssh_client):
     hosts = cluster(3, docker=True)
     victim = hosts.hosts[1]
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
@@ -142,8 +146,10 @@ def test_connection_killed_mid_transfer_fails_that_host_only(cluster, local_dock
             codec="none",
             on_progress=on_progress,
             layer_store=None,  # the raw save stream: 40 MB in is mid-transfer
+            ssh_client=ssh_client,
         )
     assert killed, "the victim's session was never found"
+    assert {o.ssh_client for o in result.hosts.values()} == {ssh_client}
     assert not result.ok
     outcome = {name: o for name, o in result.hosts.items()}
     assert outcome["node1"].status == "failed"

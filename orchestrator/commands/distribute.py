@@ -68,8 +68,10 @@ def render(result: DistributeResult) -> str:
         rate = f"  {_rate(outcome.bytes_sent, outcome.elapsed_s)}" if outcome.status == "loaded" else ""
         sent = f"  {outcome.bytes_sent / MB:,.1f} MB" if outcome.status != "present" else ""
         held = f"  (had {outcome.layers_held}/{outcome.layers_total} layers)" if outcome.layers_held else ""
+        via = f"  via {outcome.ssh_client}" if outcome.ssh_client else ""
         lines.append(
-            f"  {outcome.host:<20} {outcome.status:<8} {outcome.elapsed_s:6.1f} s{sent}{rate}{held}  {outcome.detail}"
+            f"  {outcome.host:<20} {outcome.status:<8} {outcome.elapsed_s:6.1f} s{sent}{rate}{held}{via}  "
+            f"{outcome.detail}"
         )
     lines.extend(f"note: {note}" for note in result.notes)
     lines.append(f"{'done' if result.ok else 'FAILED'} in {result.elapsed_s:.1f} s")
@@ -87,10 +89,30 @@ def render(result: DistributeResult) -> str:
     show_default=True,
     help="Compression on the wire (auto: zstd where every node has it, else gzip).",
 )
+@click.option(
+    "--ssh-client",
+    type=click.Choice(["auto", "openssh", "paramiko"]),
+    default="auto",
+    show_default=True,
+    envvar="DZCTL_SSH_CLIENT",
+    help="What carries the image streams (auto: the system's ssh where it reaches the node, else paramiko; "
+    "env DZCTL_SSH_CLIENT).",
+)
 @click.option("--push", "registry", metavar="REGISTRY", help="Push to REGISTRY and have every node pull instead.")
 @json_option
 def distribute_command(
-    image, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts, codec, registry, as_json
+    image,
+    hostfile,
+    include,
+    exclude,
+    num_nodes,
+    num_gpus,
+    ssh_config,
+    trust_new_hosts,
+    codec,
+    ssh_client,
+    registry,
+    as_json,
 ):
     """Give every node IMAGE by ID: skip nodes that have it, stream `docker save` once to the rest,
     leaving out the layers each node already holds (after a code change: only the new layers, from
@@ -102,7 +124,9 @@ def distribute_command(
             result = distribute_via_registry(image, nodes, pool, registry)
         else:
             with DistributeView(console) as view:
-                result = distribute_image(image, nodes, pool, codec=codec, on_progress=view.update)
+                result = distribute_image(
+                    image, nodes, pool, codec=codec, on_progress=view.update, ssh_client=ssh_client
+                )
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:

@@ -10,7 +10,9 @@ method alike:
 - before: `dzctl distribute` at the commit before layer-aware distribution (BEFORE below): one
           `docker save`, compressed once (zstd), teed to every node's `docker load`;
 - dzctl:  `dzctl distribute` of this checkout, with the layer store filled as `dzctl build` fills
-          it (`fill_store`, timed once and printed: the cost moved to the build);
+          it (`fill_store`, timed once and printed: the cost moved to the build); its streams go
+          through the system's OpenSSH client (`--ssh-client auto`, checked in its report);
+- paramiko: the same, with `--ssh-client paramiko`: what the OpenSSH client changed;
 - floor:  each host's own `docker load -i FILE` of a saved copy on this machine's disk, all at
           once: no save, no SSH, no transfer. Every node must do this much, whatever sends it,
           and here the three hosts share this machine's cores and disk.
@@ -40,14 +42,17 @@ from testhosts import TestCluster  # noqa: E402
 
 # The last commit before layer-aware distribution (a4da474): what the issue calls "today's".
 BEFORE = "ff3137a"
-METHODS = ("pipes", "before", "dzctl", "floor")
+METHODS = ("pipes", "before", "dzctl", "paramiko", "floor")
 
 
-def timed_distribute(cluster: TestCluster, url: str, image: str, workdir: Path, checkout: Path, store: str) -> float:
+def timed_distribute(
+    cluster: TestCluster, url: str, image: str, workdir: Path, checkout: Path, store: str, ssh_client: str = "auto"
+) -> float:
     hostfile = cluster.write_hostfile(workdir / "hostfile")
     argv = [sys.executable, "-m", "orchestrator", "distribute", image, "--hosts", str(hostfile)]
     argv += ["--ssh-config", str(cluster.ssh_config), "--json"]
     env = {**os.environ, "DOCKER_HOST": url, "DZCTL_LAYER_STORE": store, "PYTHONPATH": str(checkout)}
+    env["DZCTL_SSH_CLIENT"] = ssh_client  # the checkout before it has no such option and ignores it
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=checkout)
     elapsed = time.monotonic() - started
@@ -58,6 +63,9 @@ def timed_distribute(cluster: TestCluster, url: str, image: str, workdir: Path, 
         sources = {host["source"] for host in report["hosts"]}
         if sources != {"store"}:
             raise SystemExit(f"expected every node to stream from the store, got {sources}: {report}")
+        carriers = {host["ssh_client"] for host in report["hosts"]}
+        if carriers != {"openssh" if ssh_client == "auto" else ssh_client}:
+            raise SystemExit(f"expected the streams to go through {ssh_client}, got {carriers}: {report}")
     return elapsed
 
 
@@ -77,10 +85,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", default="dzctl-test/cpu:latest")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--methods", default=",".join(METHODS), help="which to run, comma-separated (pipes always)")
     parser.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "results" / f"distribute-first-{time.strftime('%Y%m%d')}.json")
     )
     args = parser.parse_args()
+    methods = [m for m in METHODS if m == "pipes" or m in args.methods.split(",")]
     import docker
 
     from orchestrator.layerstore import fill_store
@@ -105,7 +115,7 @@ def main() -> None:
             subprocess.run(["docker", "-H", url, "save", "-o", str(saved), args.image], check=True)
             print(f"saved for the floor in {time.monotonic() - started:.1f} s", flush=True)
             for round_ in range(args.rounds):
-                for method in METHODS:
+                for method in methods:
                     runwork = work / f"{method}-{round_}"
                     with TestCluster(3, docker=True, workdir=runwork) as cluster:
                         os.sync()  # each run starts with this machine's dirty pages written out
@@ -113,8 +123,10 @@ def main() -> None:
                             seconds = timed_pipes(cluster, url, args.image)
                         elif method == "before":
                             seconds = timed_distribute(cluster, url, args.image, runwork, before, "off")
-                        elif method == "dzctl":
-                            seconds = timed_distribute(cluster, url, args.image, runwork, ROOT, str(work / "store"))
+                        elif method in ("dzctl", "paramiko"):
+                            client = "auto" if method == "dzctl" else "paramiko"
+                            store = str(work / "store")
+                            seconds = timed_distribute(cluster, url, args.image, runwork, ROOT, store, client)
                         else:
                             seconds = timed_floor(cluster, saved)
                         verify(cluster, image.id)
@@ -124,19 +136,18 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
-    medians = {m: statistics.median(r["seconds"] for r in rows if r["method"] == m) for m in METHODS}
+    medians = {m: statistics.median(r["seconds"] for r in rows if r["method"] == m) for m in methods}
     print()
     print(f"| 3 hosts, image {size / 1e9:.2f} GB | runs (s) | median (s) | median / pipes |")
     print("|---|---|---|---|")
-    for method in METHODS:
+    for method in methods:
         runs = ", ".join(str(r["seconds"]) for r in rows if r["method"] == method)
         print(f"| {method} | {runs} | {medians[method]:.1f} | {medians[method] / medians['pipes']:.2f} |")
-    ratios = {
-        "dzctl_over_pipes": round(medians["dzctl"] / medians["pipes"], 3),
-        "dzctl_over_before": round(medians["dzctl"] / medians["before"], 3),
-        "before_over_pipes": round(medians["before"] / medians["pipes"], 3),
-        "floor_over_pipes": round(medians["floor"] / medians["pipes"], 3),
-    }
+    ratios = {f"{m}_over_pipes": round(medians[m] / medians["pipes"], 3) for m in methods if m != "pipes"}
+    if "dzctl" in medians and "before" in medians:
+        ratios["dzctl_over_before"] = round(medians["dzctl"] / medians["before"], 3)
+    if "dzctl" in medians and "paramiko" in medians:
+        ratios["dzctl_over_paramiko"] = round(medians["dzctl"] / medians["paramiko"], 3)
     print(json.dumps(ratios))
     record = {"image": args.image, "image_bytes": size, "store_fill": fill.to_dict(), "rows": rows, **ratios}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

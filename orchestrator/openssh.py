@@ -1,11 +1,12 @@
 """Bulk streams through the system's OpenSSH client (``ssh``), where it reaches the node.
 
 Why: paramiko frames, encrypts and MACs every 32 KB packet in Python, under the one GIL that all
-of a distribution's streams share. On a 2-core controller, sending 630 MB to each of 3 nodes cost
-paramiko about 10-13 s of this machine's CPU, and the OpenSSH client about 4-6 s (its processes
-run beside each other, outside the GIL): benchmarks/ssh_streams.py, results in
-benchmarks/results/ssh-streams-*.txt. An image is hundreds of MB per node, so ``distribute`` sends
-it through ``ssh`` and keeps paramiko for everything else (short commands, SFTP, the checks).
+of a distribution's streams share. On a 2-core controller, sending 600 MiB to each of 3 test hosts
+at once took 12.3 s (12.6 s of CPU) through paramiko and 5.0 s (5.2 s of CPU) through the OpenSSH
+client, whose processes run beside each other outside the GIL (medians of 2 rounds,
+benchmarks/ssh_streams.py, benchmarks/results/ssh-streams-20261201.txt). An image is hundreds of
+MB per node, so ``distribute`` sends it through ``ssh`` and keeps paramiko for everything else
+(short commands, SFTP, the checks).
 
 The OpenSSH client is pointed at exactly what the ``HostPool`` resolved for the host (HostName,
 Port, User, IdentityFile, UserKnownHostsFile, ProxyJump) and is never allowed to ask or to learn
@@ -29,9 +30,10 @@ from .ssh import LOCAL_HOSTS, NO_EXIT_STATUS, HostConfig, LocalConnection, Resul
 CLIENTS = ("auto", "openssh", "paramiko")
 PROBE_TIMEOUT = 30.0
 LOST = 255  # what the ssh client exits with when the connection failed (or was lost)
-# AES-GCM first: with the AES instructions of server CPUs it cost about two thirds of the CPU of
-# chacha20-poly1305, OpenSSH's own first choice (benchmarks/ssh_streams.py). "^" only moves these
-# to the front of the client's list, so a server that refuses them still finds a common cipher.
+# AES-GCM first: with the AES instructions of server CPUs it cost two thirds of the CPU of
+# chacha20-poly1305, OpenSSH's own first choice (5.2 s against 7.9 s on a CPU with AES-NI,
+# benchmarks/ssh_streams.py). "^" only moves these to the front of the client's list, so a
+# server that refuses them still finds a common cipher.
 CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 

@@ -25,20 +25,29 @@ A node that fails mid-transfer (connection lost, ``docker load`` error, a stalle
 dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
 is returned as data (``DistributeResult``); nothing is raised for a partial failure.
 
-Wire codecs (``codec=``): ``none``; ``gzip`` (``docker load`` reads gzip itself, so nodes need no
-extra tool); ``zstd`` (nodes need the ``zstd`` binary; checked first, else gzip). ``auto`` picks
-zstd when every needing node has it, else gzip: the SSH layer (paramiko) is slow per
-connection on small machines, so shrinking the stream beats the CPU the codec costs.
+Each stream goes through the system's OpenSSH client where it reaches the node, else through the
+pool's paramiko connection (``openssh.py``, ``ssh_client=``): it costs the controller less than
+half paramiko's CPU per byte, which is what a controller feeding many nodes runs out of.
+
+Wire codecs (``codec=``, save streams only: the store's blobs are gzip already): ``none``; ``gzip``
+(``docker load`` reads gzip itself, so nodes need no extra tool); ``zstd`` (nodes need the
+``zstd`` binary; checked first, else gzip). ``auto`` picks zstd when every needing node has it,
+else gzip: measured when paramiko carried every stream, shrinking the stream beat the CPU the
+codec costs (not measured again with the OpenSSH client).
 Measured on one 2-core machine, the 1.82 GB CPU image to 3 fresh test hosts on that same machine,
 medians of 2 interleaved rounds (benchmarks/distribute_first.py,
 benchmarks/results/distribute-first-20261201.txt): from the filled store 147 s; the code before
 layer-aware distribution (one save, zstd) 167 s; three parallel `docker save | ssh docker load`
 pipes (OpenSSH) 171 s; and three `docker load -i` of a file already on the disk, with no transfer
 at all, 105 s. Every method there shares two cores and one disk with the three nodes' loads, so
-that floor (0.61x the pipes) bounds them all. Codecs alone (benchmarks/distribute.py --codecs, store
-off, distribute-quiet-20261201.txt): zstd 121 s and 130 s (596 MB on the wire), gzip 140 s, none
-147 s. zstd is chosen for sending a third of the bytes, which is what a controller's one uplink to
-many nodes carries (not measured here: the test hosts share no link).
+that floor (0.61x the pipes) bounds them all. With the OpenSSH client, 3 rounds
+(distribute-first-20261201-openssh.txt): from the store 124.6 s, the same through paramiko 115.4 s,
+the pipes 179.7 s, the floor 103.1 s: on one machine the three nodes' loads, not the transfer,
+decide, and the two clients do not differ beyond this machine's noise. Codecs alone
+(benchmarks/distribute.py --codecs, store off, distribute-quiet-20261201.txt): zstd 121 s and
+130 s (596 MB on the wire), gzip 140 s, none 147 s. zstd is chosen for sending a third of the
+bytes, which is what a controller's one uplink to many nodes carries (not measured here: the test
+hosts share no link).
 """
 
 from __future__ import annotations

@@ -104,7 +104,9 @@ def main() -> None:
         print(f"image {args.image} {image.id[:19]} {size / 1e9:.2f} GB; cores {os.cpu_count()}", flush=True)
         print(f"load average at the start {os.getloadavg()}", flush=True)
         before = work / "before"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before), BEFORE], check=True)
+        if "before" in methods:
+            worktree = ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before), BEFORE]
+            subprocess.run(worktree, check=True)
         try:
             fill = fill_store(client, image.id, layer_store=work / "store")
             if fill.stored is None:
@@ -135,7 +137,8 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
+            if "before" in methods:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
     medians = {m: statistics.median(r["seconds"] for r in rows if r["method"] == m) for m in methods}
     print()
     print(f"| 3 hosts, image {size / 1e9:.2f} GB | runs (s) | median (s) | median / pipes |")

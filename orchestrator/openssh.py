@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 from .errors import InputError
 from .ssh import LOCAL_HOSTS, NO_EXIT_STATUS, HostConfig, LocalConnection, Result, command_line
@@ -129,18 +128,14 @@ def stream_links(pool, hosts: Iterable[str], client: str = "auto") -> tuple[dict
         notes.append("no OpenSSH client (`ssh`) here: the streams go through paramiko, which costs more CPU")
         return links, kinds, notes
     candidates = {host: OpenSSHLink(host, client_argv(pool.resolve(host), pool.ssh_config_path)) for host in remote}
-
-    def probe(host: str) -> str:
-        try:
-            # The pool's connection first: it checks the host key by dzctl's rules and records it
-            # where the user allowed that, so OpenSSH, which may only check, finds it.
-            pool.connection(host)
-        except Exception as exc:  # unreachable by paramiko too: the stream will fail and say so
-            return str(exc).splitlines()[0]
-        return _probe(candidates[host])
-
-    with ThreadPoolExecutor(max_workers=min(32, len(remote)), thread_name_prefix="dzctl-probe") as executor:
-        probes = dict(zip(remote, executor.map(probe, remote), strict=True))
+    # Through the pool's fan-out, so each node's own connection is opened first: it checks the host
+    # key by dzctl's rules and records it where the user allowed that, so OpenSSH, which may only
+    # check, finds it. A node paramiko cannot reach either comes back as its error.
+    outcomes = pool.map(lambda conn: _probe(candidates[conn.host]), remote)
+    probes = {
+        host: str(outcome).splitlines()[0] if isinstance(outcome, BaseException) else outcome
+        for host, outcome in outcomes.items()
+    }
     refused = {host: why for host, why in probes.items() if why}
     if refused and client == "openssh":
         lines = "\n".join(f"{host}: {why}" for host, why in refused.items())

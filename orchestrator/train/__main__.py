@@ -1,7 +1,5 @@
 """``python -m orchestrator.train JOB.yaml``: see ``entry`` for the options."""
 
-import sys
+from .entry import exit_rank, main
 
-from .entry import main
-
-sys.exit(main())
+exit_rank(main())  # not sys.exit: see exit_rank for why a rank skips interpreter finalization

@@ -25,10 +25,12 @@ be resumed); 1 anything else. Every failure is also an ``error`` event in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from ..errors import DzError
 from ..spec import JobSpec, load_job
@@ -131,18 +133,44 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def end_process_group() -> None:
-    """Destroy this rank's process group while the interpreter is still whole.
+    """Destroy this rank's process group: the documented clean end (NCCL frees its communicators).
 
-    Left to interpreter exit, gloo's worker threads can still hold finished work whose tensors
-    reference Python objects; freeing them then needs the GIL of an interpreter being torn down,
-    and the rank aborts (SIGABRT) after a run that succeeded, failing the node. Seen once in CI
-    (exit -6 after the `end` event); the mechanism is described in pytorch/pytorch pull request
-    179291. Only after success: every rank is past its last collective, so this waits on no peer.
+    Only after success: every rank is past its last collective, so this waits on no peer. It is
+    not enough on its own to make the exit safe: see ``exit_rank``.
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End this rank with ``code``: Python's exit handlers run, interpreter finalization does not.
+
+    Left to interpreter exit, gloo's worker threads can still hold finished work whose tensors
+    reference Python objects; freeing them then needs the GIL of an interpreter being torn down,
+    and the rank aborts (SIGABRT, "terminate called without an active exception") after a run
+    that succeeded, failing the node. The mechanism is described in pytorch/pytorch pull request
+    179291 (abandoned upstream). ``destroy_process_group`` does not prevent it: for gloo it only
+    forgets the group, whose threads keep running while anything still holds it (DeepSpeed's
+    engine and ZeRO-3 optimizer keep theirs) until finalization frees it. CI saw the abort twice, the second
+    time after ``end_process_group`` was in place.
+
+    So the rank ends the way a crash-free exit would, minus the finalization: the ``atexit``
+    handlers (logging, trackers such as wandb) run while the interpreter is whole, the streams are
+    flushed, and ``os._exit`` leaves the freeing of memory, threads and sockets to the kernel.
+    Every file the trainer writes is closed by then (checkpoints, the model, progress.jsonl).
+    """
+    import atexit
+    import os
+
+    try:
+        atexit._run_exitfuncs()  # the handlers Python would run at exit; exceptions are printed, not raised
+    finally:
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def _one_line(exc: BaseException) -> str:

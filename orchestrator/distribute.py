@@ -43,8 +43,11 @@ at all, 105 s. Every method there shares two cores and one disk with the three n
 that floor (0.61x the pipes) bounds them all. With the OpenSSH client, 3 rounds
 (distribute-first-20261201-openssh.txt): from the store 124.6 s, the same through paramiko 115.4 s,
 the pipes 179.7 s, the floor 103.1 s: on one machine the three nodes' loads, not the transfer,
-decide, and the two clients do not differ beyond this machine's noise. Codecs alone
-(benchmarks/distribute.py --codecs, store off, distribute-quiet-20261201.txt): zstd 121 s and
+decide, and the two clients do not differ beyond this machine's noise. With the OpenSSH client
+against the code before, 3 rounds (distribute-first-20261201-before-openssh.txt): from the store
+141.4 s, the code before 173.3 s, the pipes 186.2 s, the floor 127.1 s (0.68x the pipes); the
+store flow beat the code before in all 6 rounds of the 3 runs that had it (0.77x to 0.91x).
+Codecs alone (benchmarks/distribute.py --codecs, store off, distribute-quiet-20261201.txt): zstd 121 s and
 130 s (596 MB on the wire), gzip 140 s, none 147 s. zstd is chosen for sending a third of the
 bytes, which is what a controller's one uplink to many nodes carries (not measured here: the test
 hosts share no link).

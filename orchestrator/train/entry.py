@@ -165,7 +165,9 @@ def exit_rank(code: int) -> NoReturn:
     import os
 
     try:
-        atexit._run_exitfuncs()  # the handlers Python would run at exit; exceptions are printed, not raised
+        # The handlers Python runs at exit; no public call runs them without finalizing. Their
+        # exceptions are printed, not raised.
+        atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(Exception):

@@ -47,9 +47,9 @@ decide, and the two clients do not differ beyond this machine's noise. With the 
 against the code before, 3 rounds (distribute-first-20261201-before-openssh.txt): from the store
 141.4 s, the code before 173.3 s, the pipes 186.2 s, the floor 127.1 s (0.68x the pipes); the
 store flow beat the code before in all 6 rounds of the 3 runs that had it (0.77x to 0.91x).
-Codecs alone (benchmarks/distribute.py --codecs, store off, distribute-quiet-20261201.txt): zstd 121 s and
-130 s (596 MB on the wire), gzip 140 s, none 147 s. zstd is chosen for sending a third of the
-bytes, which is what a controller's one uplink to many nodes carries (not measured here: the test
+Codecs alone (benchmarks/distribute.py --codecs, store off, distribute-quiet-20261201.txt): zstd
+121 s and 130 s (596 MB on the wire), gzip 140 s, none 147 s. zstd is chosen for sending a third of
+the bytes, which is what a controller's one uplink to many nodes carries (not measured here: the test
 hosts share no link).
 """
 

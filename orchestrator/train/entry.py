@@ -153,8 +153,8 @@ def exit_rank(code: int) -> NoReturn:
     that succeeded, failing the node. The mechanism is described in pytorch/pytorch pull request
     179291 (abandoned upstream). ``destroy_process_group`` does not prevent it: for gloo it only
     forgets the group, whose threads keep running while anything still holds it (DeepSpeed's
-    engine and ZeRO-3 optimizer keep theirs) until finalization frees it. CI saw the abort twice, the second
-    time after ``end_process_group`` was in place.
+    engine and ZeRO-3 optimizer keep theirs) until finalization frees it. CI saw the abort twice,
+    the second time after ``end_process_group`` was in place.
 
     So the rank ends the way a crash-free exit would, minus the finalization: the ``atexit``
     handlers (logging, trackers such as wandb) run while the interpreter is whole, the streams are

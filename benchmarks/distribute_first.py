@@ -93,7 +93,7 @@ def main() -> None:
     methods = [m for m in METHODS if m == "pipes" or m in args.methods.split(",")]
     import docker
 
-    from orchestrator.layerstore import fill_store
+    from orchestrator.image.store import fill_store
 
     rows: list[dict] = []
     with local_docker() as url, tempfile.TemporaryDirectory(prefix="dzfirst-", dir="/var/tmp") as tmp:

@@ -58,8 +58,8 @@ def build_from_copy(
     build's seconds and the fill's report."""
     import docker
 
-    from orchestrator.image import BuildRequest, build_image, context_files, read_dockerignore
-    from orchestrator.layerstore import fill_store
+    from orchestrator.image.build import BuildRequest, build_image, context_files, read_dockerignore
+    from orchestrator.image.store import fill_store
 
     client = docker.DockerClient(base_url=url, version="auto", timeout=3600)
     copy = workdir / ("changed" if change else "unchanged")

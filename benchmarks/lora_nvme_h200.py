@@ -162,8 +162,8 @@ def host_mem_gib() -> float:
 
 def plan(spec: dict, workdir: Path, nproc: int, gpu_gib: float | None, nvme_reading=None):
     """The planner on this job, with what launch's preflight would read here."""
-    from orchestrator.memory import plan_for_job
-    from orchestrator.spec import load_job
+    from orchestrator.planning.memory.fromjob import plan_for_job
+    from orchestrator.spec.job import load_job
 
     job_file = workdir / "job.yaml"
     job_file.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
@@ -173,9 +173,9 @@ def plan(spec: dict, workdir: Path, nproc: int, gpu_gib: float | None, nvme_read
 
 def probe_disk(path: Path):
     """Preflight's own NVMe probe (direct I/O), run here; the planner's reading."""
-    from orchestrator.memory import NvmeReading
+    from orchestrator.planning.memory.estimate import NvmeReading
     from orchestrator.preflight.nvme import probe
-    from orchestrator.ssh import LocalConnection
+    from orchestrator.transport.local import LocalConnection
 
     path.mkdir(parents=True, exist_ok=True)
     found = probe(LocalConnection(), sys.executable, str(path))

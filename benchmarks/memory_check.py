@@ -27,9 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.memory import GIB, plan_for_job  # noqa: E402
-from orchestrator.modelshape import CATALOGUE  # noqa: E402
-from orchestrator.spec import load_job  # noqa: E402
+from orchestrator.planning.memory.estimate import GIB  # noqa: E402
+from orchestrator.planning.memory.fromjob import plan_for_job  # noqa: E402
+from orchestrator.planning.shape import CATALOGUE  # noqa: E402
+from orchestrator.spec.job import load_job  # noqa: E402
 
 # name: (catalogue model, seq, micro, checkpointing, offload, precision)
 CASES = {

@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from testhosts import TestCluster, missing_requirements  # noqa: E402
 
-from orchestrator.ssh import HostPool, run_concurrently  # noqa: E402
+from orchestrator.transport.local import run_concurrently  # noqa: E402
+from orchestrator.transport.pool import HostPool  # noqa: E402
 
 # paramiko 5 offers mlkem768x25519 first, which OpenSSH 9.2's sshd lacks, so it settles on
 # curve25519; OpenSSH's client prefers the costlier post-quantum sntrup761x25519 hybrid.

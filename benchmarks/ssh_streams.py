@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from testhosts import TestCluster  # noqa: E402
 
-from orchestrator.openssh import OpenSSHLink, stream_links  # noqa: E402
-from orchestrator.ssh import HostPool  # noqa: E402
+from orchestrator.transport.openssh import OpenSSHLink, stream_links  # noqa: E402
+from orchestrator.transport.pool import HostPool  # noqa: E402
 
 CHUNK = 1 << 20
 METHODS = ("paramiko", "openssh", "openssh-chacha")

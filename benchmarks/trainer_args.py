@@ -33,7 +33,7 @@ def merged(kwargs: dict, overrides: dict) -> dict:
 
 
 def main() -> int:
-    from orchestrator.spec import load_job
+    from orchestrator.spec.job import load_job
     from orchestrator.train.environment import early_defaults
 
     overrides = json.loads(os.environ.get(ENV) or "{}")

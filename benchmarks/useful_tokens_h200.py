@@ -63,7 +63,7 @@ LAUNCH_TIMEOUT_S = 240  # one configuration; a hung run is stopped and reported,
 
 def spec_has(dotted: str) -> bool:
     """Whether this checkout's job spec knows a key (``train.fused_loss`` lands separately)."""
-    from orchestrator.spec import JobSpec
+    from orchestrator.spec.job import JobSpec
 
     model = JobSpec
     for key in dotted.split("."):
@@ -117,7 +117,7 @@ def job_spec(config: str, args: argparse.Namespace, accelerator: str, data_file:
             "env": dict(item.split("=", 1) for item in args.env),
         },
     }
-    from orchestrator.spec import apply_override
+    from orchestrator.spec.job import apply_override
 
     for item in args.set:
         apply_override(spec, item)

@@ -4,7 +4,7 @@ Two configurations of a Qwen3-8B-shaped, randomly initialised model at sequence
 length 4096 (issue 7; measured on ``nvidia-h200-x2``):
 
 - ``auto``: what ``dzctl plan`` chooses for these GPUs (the memory planner,
-  ``orchestrator.memory.plan_for_job``), bf16. Its ``ds_config.json`` is written
+  ``orchestrator.planning.memory.fromjob.plan_for_job``), bf16. Its ``ds_config.json`` is written
   beside the job file, as ``dzctl launch`` does.
 - ``seed``: the seed article's config (``benchmarks/seed_ds_config.json``: fp16,
   optimizer and parameters offloaded to pinned CPU memory, "auto" values), with
@@ -140,8 +140,9 @@ def job_spec(name: str, model: str, seq: int, steps: int, accelerator: str, logg
 
 def plan_and_write(name: str, spec: dict, workdir: Path, nproc: int, gpu_mem_gib: float | None) -> dict:
     """Plan like ``dzctl launch``: resolve every auto, write job.yaml and ds_config.json."""
-    from orchestrator.memory import GIB, plan_for_job
-    from orchestrator.spec import load_job
+    from orchestrator.planning.memory.estimate import GIB
+    from orchestrator.planning.memory.fromjob import plan_for_job
+    from orchestrator.spec.job import load_job
 
     workdir.mkdir(parents=True, exist_ok=True)
     draft = workdir / "draft.yaml"
@@ -177,7 +178,7 @@ def run_one(name: str, args: argparse.Namespace, gpu_mem_gib: float | None, acce
     workdir = Path(args.work) / tag
     shutil.rmtree(workdir, ignore_errors=True)
     spec = job_spec(name, args.model, args.seq, steps, accelerator, args.logging_steps)
-    from orchestrator.spec import apply_override
+    from orchestrator.spec.job import apply_override
 
     for item in args.set:
         apply_override(spec, item)

@@ -17,7 +17,7 @@ if [ -s "$EXTRA/ca-bundle.crt" ]; then
     export PIP_CERT="$EXTRA/ca-bundle.crt"
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=ignore
-# pip's configured sources on the machine that ran `dzctl build` (orchestrator/buildsources.py):
+# pip's configured sources on the machine that ran `dzctl build` (orchestrator/image/sources.py):
 # remote ones as given, local ones already copied into the wheelhouse.
 export PIP_FIND_LINKS="$EXTRA/wheelhouse${DZCTL_PIP_FIND_LINKS:+ $DZCTL_PIP_FIND_LINKS}"
 [ -n "${DZCTL_PIP_INDEX_URL:-}" ] && export PIP_INDEX_URL="$DZCTL_PIP_INDEX_URL"

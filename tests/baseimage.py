@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from orchestrator.buildsources import apt_mirror_for, read_apt_sources
+from orchestrator.image.sources import apt_mirror_for, read_apt_sources
 
 SUITE = "bookworm"
 # What the Dockerfile's CPU flavour needs from the system: an interpreter with venv and headers,

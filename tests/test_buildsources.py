@@ -14,7 +14,8 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from orchestrator.buildsources import (
+from orchestrator.image.build import TORCH_VERSION, BuildRequest, build_args, plan_inputs
+from orchestrator.image.sources import (
     AptSource,
     PipSources,
     apt_mirror_for,
@@ -25,7 +26,6 @@ from orchestrator.buildsources import (
     read_pip_config,
     torch_wheel_flavour,
 )
-from orchestrator.image import TORCH_VERSION, BuildRequest, build_args, plan_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 V = TORCH_VERSION
@@ -62,7 +62,7 @@ def test_read_pip_config_runs_the_real_pip(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env["PIP_CONFIG_FILE"] = str(config)
     code = (
-        "from orchestrator.buildsources import read_pip_config; s = read_pip_config();"
+        "from orchestrator.image.sources import read_pip_config; s = read_pip_config();"
         "print(s.index_url, ' '.join(s.find_links))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

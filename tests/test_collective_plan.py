@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hostfile import Node
-from orchestrator.plan import make_plan
+from orchestrator.planning.launchplan import make_plan
 from orchestrator.preflight.collective import CHECK_ENV, CollectiveRequest, collective_plan, settings_for
 from orchestrator.preflight.model import PreflightReport
-from orchestrator.spec import load_job
+from orchestrator.spec.hostfile import Node
+from orchestrator.spec.job import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = [Node("gpu-a", (0, 1, 2, 3)), Node("gpu-b", (0, 1, 2, 3))]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sqlite3
 
 from orchestrator.commands.jobs import render_status
-from orchestrator.status import JobStatus, NodeStatus
-from orchestrator.store import JobStore
+from orchestrator.observe.status import JobStatus, NodeStatus
+from orchestrator.observe.store import JobStore
 
 FIGURES = {
     "ran": True, "ok": True, "backend": "nccl", "world_size": 16, "bytes": 256 * 2**20, "iters": 5,

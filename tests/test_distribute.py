@@ -23,9 +23,9 @@ from pathlib import Path
 import docker
 import pytest
 
-from orchestrator.distribute import _Pipe, codec_for, distribute_image, distribute_via_registry
-from orchestrator.layers import SkipHeldLayers, chain_ids, filter_tar, held_prefix, v1_ids
-from orchestrator.ssh import HostPool
+from orchestrator.image.distribute import _Pipe, codec_for, distribute_image, distribute_via_registry
+from orchestrator.image.layers import SkipHeldLayers, chain_ids, filter_tar, held_prefix, v1_ids
+from orchestrator.transport.pool import HostPool
 
 # -- pure parts -----------------------------------------------------------------------------------
 
@@ -350,7 +350,7 @@ def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_
     hosts = cluster(1, docker=True)
     tag = "dzctl-test/layers:lost"
     image_id = build_local(local_docker_url, tag, f"FROM {base_image}\nRUN echo lost > /lost\n", tmp_path / "img")
-    import orchestrator.distribute as distribute
+    import orchestrator.image.distribute as distribute
 
     monkeypatch.setattr(distribute, "held_layers", lambda pool, hosts, layers: dict.fromkeys(hosts, 1))
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)

@@ -2,7 +2,7 @@
 ``docker save`` of the whole image.
 
 Real parts only: the image comes from the dockerd on this machine's root namespace, the store is
-Debian's docker-registry on 127.0.0.1 (orchestrator/layerstore.py), the nodes are test hosts with
+Debian's docker-registry on 127.0.0.1 (orchestrator/image/store.py), the nodes are test hosts with
 their own sshd and dockerd (tests/testhosts.py).
 """
 
@@ -18,11 +18,11 @@ import docker
 import pytest
 from test_distribute import build_local, host_image_id
 
-from orchestrator.distribute import distribute_image
 from orchestrator.errors import RuntimeFailure
-from orchestrator.layers import layer_member, load_manifest, plan_streams, tar_stream
-from orchestrator.layerstore import LayerStore, daemon_is_local, fill_store, registry_config
-from orchestrator.ssh import HostPool
+from orchestrator.image.distribute import distribute_image
+from orchestrator.image.layers import layer_member, load_manifest, plan_streams, tar_stream
+from orchestrator.image.store import LayerStore, daemon_is_local, fill_store, registry_config
+from orchestrator.transport.pool import HostPool
 
 # -- pure parts -----------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""orchestrator/dsconfig.py: the DeepSpeed config from the spec, pure and torch-free."""
+"""orchestrator/planning/dsconfig.py: the DeepSpeed config from the spec, pure and torch-free."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import dsconfig
-from orchestrator.dsconfig import Resolved
 from orchestrator.errors import SpecError
-from orchestrator.spec import load_job
+from orchestrator.planning import dsconfig
+from orchestrator.planning.dsconfig import Resolved
+from orchestrator.spec.job import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,7 @@ def test_tiny_cpu_job_config():
 
 def test_controller_side_never_imports_torch():
     code = (
-        "import sys, orchestrator.dsconfig, orchestrator.train.data, orchestrator.train.checkpoints, "
+        "import sys, orchestrator.planning.dsconfig, orchestrator.train.data, orchestrator.train.checkpoints, "
         "orchestrator.train.progress, orchestrator.train.entry\n"
         "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
         "print(heavy)\n"

@@ -34,8 +34,8 @@ def test_status_names_the_killed_node_first_though_the_other_nodes_clock_is_behi
     commands = [["sh", "-c", GANG_STOP], ["sh", "-c", "kill -9 $$"]]
     for rank, host in reversed(list(enumerate(hosts.hosts))):  # node 1 first: it is the one killed first
         job_dir = f"{remote}/{host.name}/jobs/{job_id}"
-        argv = [sys.executable, "-m", "orchestrator.nodeexec", "start", "--job-dir", job_dir, "--rank", str(rank),
-                "--", *commands[rank]]  # fmt: skip
+        argv = [sys.executable, "-m", "orchestrator.runtimes.process", "start", "--job-dir", job_dir,
+                "--rank", str(rank), "--", *commands[rank]]  # fmt: skip
         started = subprocess.run(hosts.ssh_argv(host, [shlex.join(argv)]), capture_output=True, text=True, timeout=60)
         assert started.returncode == 0, started.stderr
     records = [Path(f"{remote}/{h.name}/jobs/{job_id}/rank-{r}.json") for r, h in enumerate(hosts.hosts)]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import fusedloss
 from orchestrator.errors import SpecError
-from orchestrator.spec import load_job
+from orchestrator.planning import fusedloss
+from orchestrator.spec.job import load_job
 from orchestrator.train.progress import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,10 +158,10 @@ def test_auto_resolves_to_liger_on_gpus_chunked_on_cpu_and_none_for_unknown_head
 )
 def test_launch_writes_the_resolved_loss_into_the_job_file(job, sets, capability, expected):
     """What `dzctl launch` does after preflight: plan memory, then write each node's job.yaml."""
-    from orchestrator.hostfile import Node
-    from orchestrator.jobfiles import job_files
-    from orchestrator.launcher import memory_choice
-    from orchestrator.plan import make_plan
+    from orchestrator.backends.jobfiles import job_files
+    from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.spec.hostfile import Node
 
     loaded = load_job(ROOT / "jobs" / job, sets)
     nodes = [Node("node-a", (0, 1))]

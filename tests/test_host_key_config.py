@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from orchestrator.errors import RemoteError
-from orchestrator.ssh import HostPool
+from orchestrator.transport.pool import HostPool
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import HostfileError
-from orchestrator.hostfile import HostEntry, Node, ResourceFilter, parse_hostfile, select_nodes
+from orchestrator.spec.hostfile import HostEntry, Node, ResourceFilter, parse_hostfile, select_nodes
 
 FOUR_NODES = "worker-0 slots=4\nworker-1 slots=4\nworker-2 slots=2\nworker-3 slots=8\n"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.image import (
+from orchestrator.image.build import (
     DOCKERFILE,
     FLAVOURS,
     TORCH_VERSION,
@@ -142,7 +142,7 @@ def test_parse_probe_skips_library_noise():
 
 def test_dockerignore_keeps_package_and_docker_only():
     patterns = read_dockerignore(ROOT)
-    assert not is_ignored("orchestrator/image.py", patterns)
+    assert not is_ignored("orchestrator/image/build.py", patterns)
     assert not is_ignored("docker/Dockerfile", patterns)
     assert not is_ignored("pyproject.toml", patterns)
     assert is_ignored(".venv/bin/python", patterns)
@@ -164,7 +164,7 @@ def test_context_carries_wheelhouse_and_ca_bundle(tmp_path):
         names = tar.getnames()
     assert "docker/context/wheelhouse/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl" in names
     assert "docker/context/ca-bundle.crt" in names
-    assert DOCKERFILE in names and "orchestrator/image.py" in names
+    assert DOCKERFILE in names and "orchestrator/image/build.py" in names
     assert not [n for n in names if n.startswith((".venv/", ".git/", "tests/"))]
     assert set(names) >= set(expected)
 
@@ -281,7 +281,7 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
 @pytest.mark.slow
 def test_build_ends_with_the_image_in_the_layer_store(cpu_image, local_docker_url):
     # distribute then sends nodes the stored blobs: no docker save while they wait.
-    from orchestrator.layerstore import default_root
+    from orchestrator.image.store import default_root
 
     layers = json.loads(
         docker_cli(
@@ -444,7 +444,7 @@ def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_doc
 
     import docker
 
-    from orchestrator.image import build_image
+    from orchestrator.image.build import build_image
 
     # A copy of the build context with one line changed in a module of orchestrator/.
     copy = tmp_path / "src"
@@ -481,7 +481,7 @@ def test_a_readme_edit_leaves_the_dependency_layers_unchanged(cpu_image, local_d
 
     import docker
 
-    from orchestrator.image import build_image
+    from orchestrator.image.build import build_image
 
     # pyproject.toml names README.md as its readme; the dependency step must not depend on its text.
     copy = tmp_path / "src"

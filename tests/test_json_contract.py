@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import JobStore
+from orchestrator.observe.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "tiny-cpu.yaml")
@@ -82,8 +82,8 @@ def test_status_watch_json_prints_json_lines_until_the_job_ends(cluster, tmp_pat
     remote = f"/var/tmp/dzctl-watch-{hosts.cid}"
     _record(home, hosts, "process", job_id, sys.executable, remote)
     host = hosts.hosts[0]
-    argv = [sys.executable, "-m", "orchestrator.nodeexec", "start", "--job-dir", f"{remote}/{host.name}/jobs/{job_id}",
-            "--rank", "0", "--", "sleep", "8"]  # fmt: skip
+    argv = [sys.executable, "-m", "orchestrator.runtimes.process", "start",
+            "--job-dir", f"{remote}/{host.name}/jobs/{job_id}", "--rank", "0", "--", "sleep", "8"]  # fmt: skip
     started = subprocess.run(hosts.ssh_argv(host, argv), capture_output=True, text=True, timeout=60)
     assert started.returncode == 0, started.stderr
     result = _dzctl(home, "status", "stopjob", "--watch", "--interval", "0.5", "--json")

@@ -39,13 +39,13 @@ class Recorder:
 
 
 def test_the_tiny_job_launches_from_python_through_prepare_and_execute(cluster, tmp_path, capsys):
-    from orchestrator import launcher
-    from orchestrator.fleet import SshFleet
-    from orchestrator.hostfile import load_nodes
-    from orchestrator.observe import gather_status
-    from orchestrator.spec import load_job
-    from orchestrator.ssh import HostPool
-    from orchestrator.store import JobStore
+    from orchestrator.backends import launcher
+    from orchestrator.backends.fleet import SshFleet
+    from orchestrator.observe.hosts import gather_status
+    from orchestrator.observe.store import JobStore
+    from orchestrator.spec.hostfile import load_nodes
+    from orchestrator.spec.job import load_job
+    from orchestrator.transport.pool import HostPool
 
     hosts = cluster(2)
     remote = f"/var/tmp/dzctl-lib-{hosts.cid}"
@@ -92,11 +92,11 @@ def test_the_tiny_job_launches_from_python_through_prepare_and_execute(cluster, 
 
 
 def test_a_failed_check_raises_before_anything_is_recorded(cluster, tmp_path):
-    from orchestrator import launcher
+    from orchestrator.backends import launcher
     from orchestrator.errors import RuntimeFailure
-    from orchestrator.hostfile import load_nodes
-    from orchestrator.spec import load_job
-    from orchestrator.ssh import HostPool
+    from orchestrator.spec.hostfile import load_nodes
+    from orchestrator.spec.job import load_job
+    from orchestrator.transport.pool import HostPool
 
     hosts = cluster(2)
     job = load_job(

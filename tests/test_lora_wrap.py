@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator.errors import InputError
-from orchestrator.spec import load_job
+from orchestrator.spec.job import load_job
 
 JOB = Path(__file__).resolve().parent.parent / "jobs" / "tiny-cpu.yaml"
 

@@ -11,25 +11,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.memory import (
+from orchestrator.planning.memory.estimate import (
     ALLOCATOR_MARGIN,
     GIB,
     NON_TORCH_GPU_GIB,
-    Allowed,
     Choice,
-    DoesNotFit,
-    Hardware,
     estimate,
     layer_activation_bytes_per_token,
     logits_bytes_per_token,
     norm_bytes_per_token,
     pinned_bytes,
-    plan_for_job,
-    plan_memory,
-    require_fit,
 )
-from orchestrator.modelshape import CATALOGUE, shape_from_config
-from orchestrator.spec import load_job
+from orchestrator.planning.memory.fromjob import plan_for_job
+from orchestrator.planning.memory.refusal import DoesNotFit, require_fit
+from orchestrator.planning.memory.search import Allowed, Hardware, plan_memory
+from orchestrator.planning.shape import CATALOGUE, shape_from_config
+from orchestrator.spec.job import load_job
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN3_8B = shape_from_config(CATALOGUE["Qwen/Qwen3-8B"], name="Qwen/Qwen3-8B", source="catalogue")
@@ -91,7 +88,7 @@ def test_fused_losses_hold_no_logits():
         estimate(QWEN3_8B, Choice(6, True, "none"), seq_len=4096, precision="bf16", world_size=2, fused_loss=f)
         for f in ("none", "liger", "chunked")
     )
-    from orchestrator.memory import loss_bytes
+    from orchestrator.planning.memory.estimate import loss_bytes
 
     # The unfused logits are 41.7 GiB at micro 6; both fused losses stay below 2 GiB at the loss...
     assert loss_bytes(QWEN3_8B, 2, tokens, "none") / GIB == pytest.approx(41.73, abs=0.01)
@@ -281,7 +278,7 @@ def test_qwen3_8b_on_one_h200_pair_with_liger_chooses_micro_29():
     assert not any(c.micro_batch_size > 30 and c.gradient_checkpointing for c, _, _ in plan.candidates)
     # Checkpointing off now fits at micro 2 (measured 102.2 GiB) but is ranked below: measured
     # 6,850 tokens/s/GPU there against 8,300 at micro 6 with checkpointing.
-    from orchestrator.memory import expected_cost_per_token
+    from orchestrator.planning.memory.search import expected_cost_per_token
 
     assert any(c == Choice(2, False, "none") and ok for c, ok, _ in plan.candidates)
     ranked = sorted((expected_cost_per_token(c, 4096), c) for c, ok, _ in plan.candidates if ok)
@@ -404,9 +401,9 @@ def test_plan_for_job_resolves_fused_loss_auto_to_liger_on_gpus():
 
 
 def test_precision_auto_follows_the_gpus_compute_capability():
+    from orchestrator.backends.launcher import memory_choice
     from orchestrator.errors import SpecError
-    from orchestrator.hostfile import Node
-    from orchestrator.launcher import memory_choice
+    from orchestrator.spec.hostfile import Node
 
     nodes = [Node("gpu-node-1", (0, 1))]
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml")  # precision: auto
@@ -536,7 +533,7 @@ def test_cli_plan_tiny_cpu_job_needs_no_gpu_memory():
     seq=st.sampled_from([1024, 2048, 4096, 8192]),
 )
 def test_auto_choice_is_the_fastest_candidate_that_fits(model, slots, gpu, host, seq):
-    from orchestrator.memory import OFFLOAD_ORDER, expected_cost_per_token
+    from orchestrator.planning.memory.search import OFFLOAD_ORDER, expected_cost_per_token
 
     shape = shape_from_config(CATALOGUE[model], name=model, source="catalogue")
     plan = _plan(shape, slots, gpu, host, seq=seq)

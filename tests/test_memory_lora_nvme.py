@@ -10,24 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import dsconfig
-from orchestrator.memory import (
+from orchestrator.planning import dsconfig
+from orchestrator.planning.memory.estimate import (
     GIB,
-    Allowed,
     Choice,
-    DoesNotFit,
-    Hardware,
     LoraShape,
     NvmeReading,
     estimate,
     nvme_io_per_step,
     nvme_step_seconds,
-    plan_for_job,
-    plan_memory,
-    require_fit,
 )
-from orchestrator.modelshape import CATALOGUE, shape_from_config
-from orchestrator.spec import LORA_DEFAULT_TARGETS, load_job
+from orchestrator.planning.memory.fromjob import plan_for_job
+from orchestrator.planning.memory.refusal import DoesNotFit, require_fit
+from orchestrator.planning.memory.search import Allowed, Hardware, plan_memory
+from orchestrator.planning.shape import CATALOGUE, shape_from_config
+from orchestrator.spec.job import LORA_DEFAULT_TARGETS, load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3_8B = shape_from_config(CATALOGUE["Qwen/Qwen3-8B"], name="Qwen/Qwen3-8B", source="catalogue")
@@ -57,7 +54,7 @@ def test_adapter_count_matches_what_peft_creates():
         "num_key_value_heads": 2,
     }
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    from orchestrator.spec import LoraSpec
+    from orchestrator.spec.job import LoraSpec
     from orchestrator.train.lora import lora_config
 
     peft_model = get_peft_model(model, lora_config(LoraSpec(r=4)))

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import RemoteError
-from orchestrator.hostfile import load_nodes
 from orchestrator.preflight import render_report, run_preflight
-from orchestrator.spec import load_job
-from orchestrator.ssh import HostPool
+from orchestrator.spec.hostfile import load_nodes
+from orchestrator.spec.job import load_job
+from orchestrator.transport.pool import HostPool
 
 pytestmark = pytest.mark.integration
 CPU_JOB = Path(__file__).resolve().parents[1] / "jobs" / "tiny-cpu.yaml"

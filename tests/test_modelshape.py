@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.modelshape import CATALOGUE, catalogue_config, shape_for_job, shape_from_config
-from orchestrator.spec import load_job
+from orchestrator.planning.shape import CATALOGUE, catalogue_config, shape_for_job, shape_from_config
+from orchestrator.spec.job import load_job
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Image streams through the system's OpenSSH client (orchestrator/openssh.py), against real sshd."""
+"""Image streams through the system's OpenSSH client (orchestrator/transport/openssh.py), against real sshd."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import time
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.openssh import OpenSSHLink, client_argv, stream_links
-from orchestrator.ssh import NO_EXIT_STATUS, HostConfig, HostPool
+from orchestrator.transport.openssh import OpenSSHLink, client_argv, stream_links
+from orchestrator.transport.pool import HostPool
+from orchestrator.transport.results import NO_EXIT_STATUS
+from orchestrator.transport.sshconfig import HostConfig
 
 
 def options(argv: list[str]) -> dict[str, str]:

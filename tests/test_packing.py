@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from orchestrator.spec import JobSpec
+from orchestrator.planning.packing import resolve_packing
+from orchestrator.spec.job import JobSpec
 from orchestrator.train import packing
 
 SEQ = 4096
@@ -63,11 +64,11 @@ def _spec(**train) -> JobSpec:
 
 
 def test_auto_is_on_for_gpu_and_off_for_cpu_and_synthetic():
-    assert packing.resolve_packing(_spec()) is True
-    assert packing.resolve_packing(_spec().model_copy(update={"accelerator": "cpu"})) is False
+    assert resolve_packing(_spec()) is True
+    assert resolve_packing(_spec().model_copy(update={"accelerator": "cpu"})) is False
     synthetic = _spec().model_copy(update={"data": _spec().data.model_copy(update={"path": "synthetic:random"})})
-    assert packing.resolve_packing(synthetic) is False
-    assert packing.resolve_packing(_spec(packing=False)) is False
+    assert resolve_packing(synthetic) is False
+    assert resolve_packing(_spec(packing=False)) is False
     with pytest.raises(Exception, match="true, false or auto"):
         _spec(packing="yes")
 
@@ -77,10 +78,10 @@ RESOLVED = [("gpu", "auto", True), ("cpu", "auto", False), ("cpu", True, True), 
 
 @pytest.mark.parametrize(("accelerator", "packing_value", "expected"), RESOLVED)
 def test_launch_writes_the_resolved_packing_into_the_job_file(tmp_path, accelerator, packing_value, expected):
-    from orchestrator.hostfile import load_nodes
-    from orchestrator.jobfiles import resolved_spec
-    from orchestrator.plan import make_plan
-    from orchestrator.spec import load_job
+    from orchestrator.backends.jobfiles import resolved_spec
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.spec.hostfile import load_nodes
+    from orchestrator.spec.job import load_job
 
     (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
@@ -98,7 +99,7 @@ def test_status_shows_useful_tokens_and_padding_efficiency():
     import json
 
     from orchestrator.commands.jobs import render_status
-    from orchestrator.status import JobStatus, parse_progress
+    from orchestrator.observe.status import JobStatus, parse_progress
 
     step = {"event": "step", "time": 1.0, "step": 3, "max_steps": 9, "loss": 2.0, "tokens_per_s": 4100.0}
     step.update(processed_tokens_per_s=8200.0, padding_efficiency=0.5, eta_s=12.0)

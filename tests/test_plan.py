@@ -8,9 +8,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from orchestrator.cli import main
-from orchestrator.hostfile import Node, load_nodes
-from orchestrator.plan import LaunchPlan, NodePlan, make_plan
-from orchestrator.spec import load_job
+from orchestrator.planning.launchplan import LaunchPlan, NodePlan, make_plan
+from orchestrator.spec.hostfile import Node, load_nodes
+from orchestrator.spec.job import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_ID = "qwen72b-20261130-000000-abcd"
@@ -119,7 +119,8 @@ def test_gpu_subset_and_process_runtime():
     assert node.container_name is None
     assert plan.image is None
     assert node.argv == (
-        "python3", "-m", "orchestrator.nodeexec", "start", "--job-dir", "/var/tmp/dzctl/jobs/j-1", "--rank", "0",
+        "python3", "-m", "orchestrator.runtimes.process", "start", "--job-dir", "/var/tmp/dzctl/jobs/j-1",
+        "--rank", "0",
         "--env", "CUDA_VISIBLE_DEVICES=1,3", "--env", "DZCTL_JOB=qwen3-8b", "--env", "DZCTL_JOB_ID=j-1",
         "--env", "DZCTL_NODE_RANK=0", "--env", "DZCTL_NUM_NODES=1", "--env", "HF_HOME=/data/hf",
         "--env", "PYTHONUNBUFFERED=1", "--env", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",

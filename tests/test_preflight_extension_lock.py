@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hostfile import load_nodes
 from orchestrator.preflight import render_report, run_preflight
-from orchestrator.spec import load_job
-from orchestrator.ssh import HostPool
+from orchestrator.spec.hostfile import load_nodes
+from orchestrator.spec.job import load_job
+from orchestrator.transport.pool import HostPool
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_JOB = REPO / "jobs" / "tiny-cpu.yaml"

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hostfile import Node
-from orchestrator.plan import make_plan
+from orchestrator.planning.launchplan import make_plan
 from orchestrator.preflight import parsers as p
 from orchestrator.preflight.checks import (
     Context,
@@ -30,7 +29,8 @@ from orchestrator.preflight.checks import (
 )
 from orchestrator.preflight.model import Check, HostReport, PreflightReport
 from orchestrator.preflight.runner import choose_master, same_everywhere
-from orchestrator.spec import JobSpec
+from orchestrator.spec.hostfile import Node
+from orchestrator.spec.job import JobSpec
 
 # Committed with the tests: a checkout without them is broken, so the tests fail rather than skip.
 H200 = Path(__file__).resolve().parent / "fixtures" / "h200x2"
@@ -85,7 +85,7 @@ def test_inventory_verdicts_on_the_recorded_gpus():
 def test_check_gpus_records_memory_and_compute_capability(tmp_path, monkeypatch):
     """check_gpus through a real local connection, with the recorded nvidia-smi standing in for the tool."""
     from orchestrator.preflight.checks import check_gpus
-    from orchestrator.ssh import LocalConnection
+    from orchestrator.transport.local import LocalConnection
 
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.errors import HostfileError, InputError, SpecError
-from orchestrator.hostfile import HOST_NAME, MAX_SLOTS, ResourceFilter, parse_hostfile, select_nodes
-from orchestrator.spec import apply_override, load_job
+from orchestrator.spec.hostfile import HOST_NAME, MAX_SLOTS, ResourceFilter, parse_hostfile, select_nodes
+from orchestrator.spec.job import apply_override, load_job
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_JOB = (REPO / "jobs" / "tiny-cpu.yaml").read_text(encoding="utf-8")
@@ -553,7 +553,7 @@ def test_input_errors_are_exit_2():
 )
 def test_any_accepted_selection_plans_consistently(tmp_path_factory, hosts, data, accelerator, runtime):
     """Ranks follow hostfile order, every node agrees on master and world size, GPUs are the chosen slots."""
-    from orchestrator.plan import make_plan
+    from orchestrator.planning.launchplan import make_plan
 
     entries = parse_hostfile("".join(f"{h} slots={n}\n" for h, n in hosts), "hosts.txt")
     pick = data.draw(st.lists(st.sampled_from([h for h, _ in hosts]), max_size=3, unique=True))

@@ -154,7 +154,7 @@ def _set_problems(rest: list[str], flag: str) -> list[str]:
 
 def spec_key_problem(dotted: str) -> str | None:
     """None when ``dotted`` names a key of the job spec (or a free-form mapping under one)."""
-    from orchestrator.spec import JobSpec
+    from orchestrator.spec.job import JobSpec
 
     model: type[BaseModel] = JobSpec
     parts = dotted.split(".")

@@ -22,10 +22,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.hostfile import load_nodes
-from orchestrator.jobfiles import SECRET_MODE, job_files, secret_env
-from orchestrator.plan import MASK, make_plan
-from orchestrator.spec import load_job, read_env_file
+from orchestrator.backends.jobfiles import SECRET_MODE, job_files, secret_env
+from orchestrator.planning.launchplan import MASK, make_plan
+from orchestrator.spec.hostfile import load_nodes
+from orchestrator.spec.job import load_job, read_env_file
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_JOB = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text(encoding="utf-8"))

@@ -27,7 +27,7 @@ GOLDEN = Path(__file__).parent / "fixtures" / "slurm" / "pyxis-2x4.sbatch"
 
 # -- the batch script, pure ------------------------------------------------------------------------
 def _gpu_job(*sets: str):
-    from orchestrator.spec import load_job
+    from orchestrator.spec.job import load_job
 
     base = (
         "name=llm-sft",
@@ -45,7 +45,7 @@ def _gpu_job(*sets: str):
 
 
 def test_the_pyxis_script_for_2x4_gpus_matches_its_golden_file_and_parses(tmp_path):
-    from orchestrator import launcher
+    from orchestrator.backends import launcher
 
     job = _gpu_job()
     request = launcher.slurm_request(job, python="/opt/dzctl/bin/python")
@@ -65,7 +65,7 @@ def test_the_pyxis_script_for_2x4_gpus_matches_its_golden_file_and_parses(tmp_pa
 
 def test_the_process_script_runs_each_nodes_launcher_with_the_first_host_as_master(tmp_path):
     """Run the script's node part as srun would, with Slurm's variables: the launcher line it picks."""
-    from orchestrator import launcher
+    from orchestrator.backends import launcher
 
     job = _gpu_job("slurm.container=none", "runtime=process", "accelerator=cpu")
     _, script = launcher.slurm_plan(job, launcher.slurm_request(job), job_id="llm-sft-x")
@@ -192,7 +192,7 @@ class SlurmController:
         return self.dzctl("launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm", *sets, *extra, timeout=timeout)
 
     def slurm_job_id(self) -> str:
-        from orchestrator.store import JobStore
+        from orchestrator.observe.store import JobStore
 
         with JobStore(self.home / "jobs.sqlite") as store:
             return store.get(self.job).plan["slurm"]["job_id"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.spec import load_job
+from orchestrator.spec.job import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,17 +15,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InputError, RemoteError
-from orchestrator.ssh import (
-    GroupResult,
-    HostPool,
-    LocalConnection,
-    Result,
-    _parse_jump,
-    command_line,
-    load_ssh_config,
-    resolve_host,
-    run_concurrently,
-)
+from orchestrator.transport.connection import command_line
+from orchestrator.transport.local import LocalConnection, run_concurrently
+from orchestrator.transport.pool import HostPool
+from orchestrator.transport.results import GroupResult, Result
+from orchestrator.transport.sshconfig import load_ssh_config, parse_jump, resolve_host
 
 NASTY = [
     "$(touch {marker})",
@@ -50,9 +44,9 @@ def test_command_line_quotes_every_word():
 
 
 def test_parse_jump():
-    assert _parse_jump("gw") == (None, "gw", None)
-    assert _parse_jump("ops@gw:2222") == ("ops", "gw", 2222)
-    assert _parse_jump("[fe80::1]:22") == (None, "fe80::1", 22)
+    assert parse_jump("gw") == (None, "gw", None)
+    assert parse_jump("ops@gw:2222") == ("ops", "gw", 2222)
+    assert parse_jump("[fe80::1]:22") == (None, "fe80::1", 22)
 
 
 def test_resolve_host_reads_openssh_config(tmp_path):

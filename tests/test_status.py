@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from orchestrator.nodeops import parse_inspect
-from orchestrator.status import (
+from orchestrator.observe.status import (
     NodeStatus,
     derive_state,
     error_on_node,
@@ -19,6 +18,7 @@ from orchestrator.status import (
     first_failure,
     parse_progress,
 )
+from orchestrator.runtimes.control import parse_inspect
 
 
 def node(rank, state, exit_code=None, finished=None, oom=False):
@@ -118,7 +118,7 @@ def test_docker_inspect_parsing():
 
 def _nodeexec(*args):
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.nodeexec", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "orchestrator.runtimes.process", *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -198,7 +198,7 @@ def test_the_stores_failure_counter_orders_reports_from_every_node():
     ]
     dogs = [Watchdog(store, "job-1", rank, 3) for rank, store in enumerate(clients)]
     assert [dogs[i].mark_failed(f"boom {i}") for i in (2, 0, 1)] == [1, 2, 3]
-    import orchestrator.status as status_module
+    import orchestrator.observe.status as status_module
 
     assert status_module.GANG_EXIT_CODE == GANG_EXIT_CODE  # the controller reads the trainer's code
 

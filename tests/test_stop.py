@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import JobStore
+from orchestrator.observe.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.integration]
@@ -134,8 +134,8 @@ def test_stop_that_leaves_a_rank_running_exits_1_and_status_says_running(cluster
     _record(tmp_path / "home", hosts, "process", job_id, str(wrapper), remote)
     for rank, host in enumerate(hosts.hosts):
         job_dir = f"{remote}/{host.name}/jobs/{job_id}"
-        argv = [sys.executable, "-m", "orchestrator.nodeexec", "start", "--job-dir", job_dir, "--rank", str(rank),
-                "--", "sleep", "600"]  # fmt: skip
+        argv = [sys.executable, "-m", "orchestrator.runtimes.process", "start", "--job-dir", job_dir,
+                "--rank", str(rank), "--", "sleep", "600"]  # fmt: skip
         started = subprocess.run(hosts.ssh_argv(host, argv), capture_output=True, text=True, timeout=60)
         assert started.returncode == 0, started.stderr
     pid = json.loads(Path(f"{remote}/{hosts.hosts[1].name}/jobs/{job_id}/rank-1.json").read_text())["pid"]

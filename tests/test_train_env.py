@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.spec import load_job
+from orchestrator.spec.job import load_job
 from orchestrator.train.entry import default_output_dir, parse_args, single_rank_defaults
 from orchestrator.train.environment import early_defaults
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator.busy import busy
-from orchestrator.lines import event_line, final_line, message_line
-from orchestrator.view import render
-from orchestrator.watchstate import JobWatch, NodeView, block_chart, classify, ema, sparkline
+from orchestrator.commands.busy import busy
+from orchestrator.observe.lines import event_line, final_line, message_line
+from orchestrator.observe.view import render
+from orchestrator.observe.watchstate import JobWatch, NodeView, block_chart, classify, ema, sparkline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,8 @@ def test_the_controller_import_path_never_loads_matplotlib(tmp_path):
         "import sys\n"
         "from click.testing import CliRunner\n"
         "from orchestrator.cli import main\n"
-        "import orchestrator.commands.launch, orchestrator.commands.jobs, orchestrator.view, orchestrator.lines\n"
+        "import orchestrator.commands.launch, orchestrator.commands.jobs\n"
+        "import orchestrator.observe.view, orchestrator.observe.lines\n"
         "for args in (['status'], ['status', '--help'], ['launch', '--help'], ['logs', '--help']):\n"
         "    assert CliRunner().invoke(main, args).exit_code == 0, args\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'PIL', 'tensorboard', 'torch')))\n"
@@ -183,7 +184,7 @@ def test_a_long_step_says_it_is_still_going_and_a_short_one_stays_silent():
 
 def test_plot_refuses_a_name_that_is_not_png_and_a_job_without_steps(tmp_path):
     from orchestrator.errors import InputError, RuntimeFailure
-    from orchestrator.plot import write_plot
+    from orchestrator.observe.plot import write_plot
 
     with pytest.raises(InputError, match="written as PNG"):
         write_plot([], tmp_path / "loss.jpg", title="job")

@@ -11,9 +11,9 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-from ..image import FLAVOURS, BuildProgress, BuildRequest, build_image, docker_client, iter_versions, push_image
-from ..layerstore import fill_store
-from ..options import json_option
+from ..image.build import FLAVOURS, BuildProgress, BuildRequest, build_image, docker_client, iter_versions, push_image
+from ..image.store import fill_store
+from .options import json_option
 
 
 class BuildView:

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from ..distribute import DistributeResult, Progress, distribute_image, distribute_via_registry
-from ..options import hosts_options, json_option, nodes_from_options, ssh_options
-from ..ssh import HostPool
+from ..image.distribute import DistributeResult, Progress, distribute_image, distribute_via_registry
+from ..transport.pool import HostPool
+from .options import hosts_options, json_option, nodes_from_options, ssh_options
 
 MB = 1e6
 

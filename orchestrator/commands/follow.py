@@ -13,12 +13,12 @@ import time
 
 import click
 
-from ..lines import event_line, final_line, message_line
-from ..observe import gather_status, node_states, stop_nodes, stream_logs
-from ..ssh import HostPool
-from ..status import JobStatus, derive_state, node_status, state_failed
-from ..store import JobRecord, JobStore
-from ..watchstate import JobWatch, NodeView
+from ..observe.hosts import gather_status, node_states, stop_nodes, stream_logs
+from ..observe.lines import event_line, final_line, message_line
+from ..observe.status import JobStatus, derive_state, node_status, state_failed
+from ..observe.store import JobRecord, JobStore
+from ..observe.watchstate import JobWatch, NodeView
+from ..transport.pool import HostPool
 
 POLL_S = 2.0
 MODES = ("live", "lines", "raw")
@@ -108,7 +108,7 @@ def _start_live(watch: JobWatch, lock: threading.Lock, quiet: bool):
     from rich.console import Console
     from rich.live import Live
 
-    from ..view import render
+    from ..observe.view import render
 
     console = Console(stderr=quiet)
 

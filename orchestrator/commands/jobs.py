@@ -9,17 +9,17 @@ from pathlib import Path
 
 import click
 
+from ..backends.slurm import backend as slurm_backend
+from ..backends.slurm.backend import is_slurm
 from ..errors import DzError, RuntimeFailure
-from ..observe import fetch_outputs, gather_status, progress_history, stop_nodes, stream_logs, tracker_locations
-from ..options import json_option, ssh_options
+from ..observe.hosts import fetch_outputs, gather_status, progress_history, stop_nodes, stream_logs, tracker_locations
+from ..observe.status import JobStatus
+from ..observe.store import FINAL_STATES, JobRecord, JobStore
+from ..observe.watchstate import block_chart
 from ..preflight.collective_result import describe_collective
-from ..slurm import backend as slurm_backend
-from ..slurm.backend import is_slurm
-from ..ssh import HostPool
-from ..status import JobStatus
-from ..store import FINAL_STATES, JobRecord, JobStore
-from ..watchstate import block_chart
+from ..transport.pool import HostPool
 from .follow import follow_job, output_mode
+from .options import json_option, ssh_options
 
 
 def _pool(record: JobRecord, ssh_config: str | None, trust_new_hosts: bool) -> HostPool:
@@ -100,7 +100,7 @@ def _history_outputs(record: JobRecord, pool: HostPool, plot_path: Path | None) 
     """Writes the plot file when asked; returns the terminal's loss chart (none when not a terminal)."""
     events = progress_history(record, pool)
     if plot_path is not None:
-        from ..plot import write_plot  # matplotlib only when asked for
+        from ..observe.plot import write_plot  # matplotlib only when asked for
 
         write_plot(events, plot_path, title=record.job_id)
         click.echo(f"plot: {plot_path}", err=True)

@@ -1,4 +1,4 @@
-"""``dzctl launch``: parse the options, run the launch sequence (``orchestrator.launcher``), render it."""
+"""``dzctl launch``: parse the options, run the launch sequence (``orchestrator.backends.launcher``), render it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import sys
 import click
 from rich.console import Console
 
-from .. import launcher
-from ..busy import busy
+from ..backends import launcher
+from ..backends.fleet import SshFleet
 from ..errors import RuntimeFailure
-from ..fleet import SshFleet
-from ..options import (
+from ..observe.store import JobStore
+from ..planning.launchplan import LaunchPlan, shell_line
+from ..preflight.render import print_report
+from ..transport.pool import HostPool
+from .busy import busy
+from .follow import follow_job, output_mode
+from .options import (
     collective_options,
     job_options,
     json_option,
@@ -23,11 +28,6 @@ from ..options import (
     slurm_options,
     ssh_options,
 )
-from ..plan import LaunchPlan, shell_line
-from ..preflight.render import print_report
-from ..ssh import HostPool
-from ..store import JobStore
-from .follow import follow_job, output_mode
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def launch_command(
 
 def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json: bool) -> None:
     """``launch --slurm``: print the batch script, or submit it and (with --follow) wait for the job."""
-    from ..slurm import backend as slurm
+    from ..backends.slurm import backend as slurm
 
     if dry_run:
         plan, script = launcher.slurm_plan(job, request)

@@ -6,19 +6,13 @@ import json
 
 import click
 
-from ..memory import (
-    ALLOCATOR_MARGIN,
-    GIB,
-    HOST_RESERVE_FRACTION,
-    NON_TORCH_GPU_GIB,
-    MemoryPlan,
-    nodes_description,
-    plan_for_job,
-    require_fit,
-)
-from ..modelshape import ModelShape, shape_for_job
-from ..options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options
-from ..spec import JobSpec
+from ..planning.memory.estimate import ALLOCATOR_MARGIN, GIB, HOST_RESERVE_FRACTION, NON_TORCH_GPU_GIB
+from ..planning.memory.fromjob import plan_for_job
+from ..planning.memory.refusal import nodes_description, require_fit
+from ..planning.memory.search import MemoryPlan
+from ..planning.shape import ModelShape, shape_for_job
+from ..spec.job import JobSpec
+from .options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options
 
 
 @click.command("plan")

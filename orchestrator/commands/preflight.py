@@ -7,9 +7,12 @@ import json
 import click
 from rich.console import Console
 
-from ..busy import busy
 from ..errors import RuntimeFailure
-from ..options import (
+from ..preflight import print_report, run_preflight
+from ..preflight.collective import collective_unless_skipped
+from ..transport.pool import HostPool
+from .busy import busy
+from .options import (
     collective_options,
     hosts_options,
     job_options,
@@ -18,9 +21,6 @@ from ..options import (
     nodes_from_options,
     ssh_options,
 )
-from ..preflight import print_report, run_preflight
-from ..preflight.collective import collective_unless_skipped
-from ..ssh import HostPool
 
 
 @click.command("preflight")

@@ -16,9 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import RemoteError
-from ..plan import LaunchPlan, NodePlan, docker_ulimits
-from ..spec import JobSpec
-from ..ssh import Connection, Result
+from ..planning.launchplan import LaunchPlan, NodePlan, docker_ulimits
+from ..spec.job import JobSpec
+from ..transport.connection import Connection
+from ..transport.results import Result
 from . import netprobe
 from . import parsers as p
 from .model import Check, fail, ok, warn

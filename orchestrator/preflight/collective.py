@@ -22,11 +22,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..hostfile import Node
-from ..nodeops import logs_argv, remove_argv, stop_argv
-from ..plan import LaunchPlan, NodePlan, make_plan
-from ..spec import JobSpec, is_secret_name
-from ..ssh import HostPool
+from ..planning.launchplan import LaunchPlan, NodePlan, make_plan
+from ..runtimes.control import logs_argv, remove_argv, stop_argv
+from ..spec.hostfile import Node
+from ..spec.job import JobSpec, is_secret_name
+from ..transport.pool import HostPool
 from .collective_result import CollectiveOutcome, NodeWatch, Settings, judge
 from .model import PreflightReport, warn
 
@@ -303,7 +303,7 @@ def _node_dict(node: NodePlan) -> dict:
 
 
 def _python(plan: LaunchPlan, node: NodePlan) -> str:
-    # The process runtime's wrapper is `<launch.python> -m orchestrator.nodeexec start ...`.
+    # The process runtime's wrapper is `<launch.python> -m orchestrator.runtimes.process start ...`.
     return node.argv[0] if plan.runtime == "process" else "python3"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ssh import Connection
+from ..transport.connection import Connection
 from . import parsers as p
 from .model import Check, fail, ok, warn
 

@@ -20,10 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from ..errors import DzError, RemoteError
-from ..hostfile import Node
-from ..plan import LaunchPlan, make_plan
-from ..spec import JobSpec, LoadedJob
-from ..ssh import Connection, HostPool, LocalConnection, Result
+from ..planning.launchplan import LaunchPlan, make_plan
+from ..spec.hostfile import Node
+from ..spec.job import JobSpec, LoadedJob
+from ..transport.connection import Connection
+from ..transport.local import LocalConnection
+from ..transport.pool import HostPool
+from ..transport.results import Result
 from . import checks as c
 from . import nvme
 from . import parsers as p
@@ -199,7 +202,7 @@ def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan) -> int | None:
     """Bytes per node that offload to NVMe needs (the planner's figure), when the job fixes offload: nvme."""
     if not isinstance(job, LoadedJob) or job.spec.zero.offload != "nvme":
         return None
-    from ..memory import nvme_bytes_per_node
+    from ..planning.memory.fromjob import nvme_bytes_per_node
 
     try:
         return nvme_bytes_per_node(job, max(n.slots for n in plan.nodes), plan.world_size)

@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 from ..errors import InputError
 
-SYNTHETIC = "synthetic:random"
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
 

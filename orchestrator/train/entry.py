@@ -6,7 +6,7 @@ imported (DeepSpeed reads ``DS_ACCELERATOR`` at import).
 
 - ``--ds-config``: the DeepSpeed config to use. Default: ``ds_config.json`` beside
   the job file (where ``dzctl launch`` puts the planner's config), else one
-  generated from the spec by ``orchestrator.dsconfig``.
+  generated from the spec by ``orchestrator.planning.dsconfig``.
 - ``--output-dir``: where checkpoints, the final model and ``progress.jsonl`` go.
   Default: ``train.output_dir``, else ``<launch.remote_dir>/output/<name>`` with
   ``{host}`` in ``remote_dir`` replaced by this machine's host name
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..errors import DzError
-from ..spec import JobSpec, load_job
+from ..spec.job import JobSpec, load_job
 from .progress import ProgressLog
 
 

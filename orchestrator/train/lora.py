@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
-from ..spec import LoadedJob, LoraSpec
+from ..spec.job import LoadedJob, LoraSpec
 from . import checkpoints
 
 ADAPTER = "adapter"

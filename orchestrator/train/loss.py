@@ -1,4 +1,4 @@
-"""The fused losses of ``train.fused_loss`` (see ``orchestrator/fusedloss.py``): they never hold the full logits.
+"""The fused losses of ``train.fused_loss`` (``orchestrator/planning/fusedloss.py``): they never hold the full logits.
 
 At seq 4096 and a 152k vocabulary the logits of one micro-batch (bf16, their fp32
 copy for the loss, the fp32 gradient and its bf16 cast) are the largest activation
@@ -33,7 +33,7 @@ from types import MethodType
 import torch
 
 from ..errors import InputError
-from ..fusedloss import FUSED_MODEL_TYPES, chunk_tokens
+from ..planning.fusedloss import FUSED_MODEL_TYPES, chunk_tokens
 from .data import IGNORE
 
 LIGER_FIX = "install the train extra with Liger (pip install 'liger-kernel>=0.8'), or set train.fused_loss: chunked"

@@ -4,10 +4,8 @@ Real SFT data is mostly short rows (median ~500 tokens at ``max_seq_len`` 4096):
 padded one per row, half or more of every micro-step is padding, and ZeRO-3
 still gathers every parameter for it. Packed, the rows come out nearly full.
 
-- ``resolve_packing(spec) -> bool``: ``train.packing: auto`` is on for GPU jobs
-  with a data file, off on CPU (small test runs, exact per-row behaviour) and for
-  ``synthetic:random`` (its rows are already full). ``dzctl launch`` writes the
-  resolved value into the job file; a plain trainer run resolves it the same way.
+- whether a job packs at all is the planner's (``orchestrator/planning/packing.py``):
+  ``dzctl launch`` writes the resolved value into the job file.
 - ``pack(lengths, capacity, seed, window)``: best-fit decreasing inside a shuffle
   window. The examples are shuffled (``random.Random(seed)``), cut into windows of
   ``window`` examples, and each window's examples go, longest first, into the
@@ -30,20 +28,9 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass
-from typing import Any
 
 IGNORE = -100
 DEFAULT_WINDOW = 1000
-
-
-def resolve_packing(spec: Any) -> bool:
-    """``train.packing`` made concrete (see the module docstring)."""
-    chosen = spec.train.packing
-    if chosen != "auto":
-        return bool(chosen)
-    from .data import SYNTHETIC  # no torch: data.py is pure as well
-
-    return spec.accelerator == "gpu" and spec.data.path != SYNTHETIC
 
 
 def pack(lengths: list[int], capacity: int, seed: int, window: int = DEFAULT_WINDOW) -> list[list[int]]:

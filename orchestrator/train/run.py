@@ -32,10 +32,11 @@ from transformers import (
 )
 from transformers import set_seed as hf_set_seed
 
-from .. import dsconfig, fusedloss
 from ..errors import InputError
-from ..spec import LoadedJob
-from ..trackers import tracker_env
+from ..planning import dsconfig, fusedloss
+from ..planning.packing import resolve_packing
+from ..planning.trackers import tracker_env
+from ..spec.job import SYNTHETIC_DATA, LoadedJob
 from . import attention, checkpoints, data, gang, lora, loss, packing
 from .collate import PackedCollator
 from .progress import ProgressLog, finite
@@ -137,7 +138,7 @@ def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | Non
         gradient_checkpointing=resolved.gradient_checkpointing,
         precision=precision,
         output_dir=output_dir,
-        packing=packing.resolve_packing(spec),
+        packing=resolve_packing(spec),
     )
 
 
@@ -474,7 +475,7 @@ def resolve_fused_loss(loaded: LoadedJob, config) -> str:
 
 def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
     spec = loaded.spec
-    if spec.data.path == data.SYNTHETIC:
+    if spec.data.path == SYNTHETIC_DATA:
         if settings.packing and ranks.rank == 0:
             print("dzctl-train: packing does not apply to synthetic:random (its rows are full)", flush=True)
         steps = spec.train.max_steps if spec.train.max_steps > 0 else 100
@@ -575,7 +576,7 @@ def train(
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
-    packed = settings.packing and spec.data.path != data.SYNTHETIC
+    packed = settings.packing and spec.data.path != SYNTHETIC_DATA
     kernel = attention.choose_kernel() if packed else None
     model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
     # Before the adapters wrap it (Liger patches the base model's own modules), and before

@@ -1,0 +1,353 @@
+"""The launch sequence as a library: ``prepare`` (check and plan), then ``execute`` (through a backend).
+
+    prepared = prepare(job, nodes, pool, LaunchOptions())   # preflight, memory plan, collective, plan, files
+    started = execute(prepared, SshFleet(pool, store))      # record, upload, start one launcher per node
+
+Nothing here prints or exits: progress goes to a ``Progress`` sink (the CLI's
+renders it on stderr; the default is silent), failures are the project's
+errors (``errors.py``), results are plain values. ``dzctl launch`` only parses
+options, calls these and renders what they return; a test, a notebook or
+another backend calls them the same way (TorchX's ``dryrun`` / ``schedule``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets as pysecrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from ..errors import RuntimeFailure, SpecError
+from ..planning.dsconfig import BF16_MIN_COMPUTE_CAPABILITY, Resolved, bf16_supported_by
+from ..planning.launchplan import LaunchPlan, make_plan
+from ..planning.memory.fromjob import nvme_reading, plan_for_job
+from ..planning.memory.refusal import nodes_description, require_fit
+from ..spec.hostfile import Node
+from ..spec.job import LoadedJob, read_env_file
+from ..transport.pool import HostPool
+from .jobfiles import JobFile, job_files, resolved_spec, secret_env
+from .localcheck import check_local_inputs
+from .start import Phases, Started, probe_output_storage
+
+if TYPE_CHECKING:
+    from .slurm.script import SlurmRequest
+
+
+class Progress(Protocol):
+    """Where the sequence says what it does; the CLI draws it, a library caller may ignore it."""
+
+    def note(self, text: str) -> None: ...
+
+    def preflight(self, report, *, final: bool) -> None:
+        """A preflight report: after the checks (``final=False``), and once more if a later stage failed."""
+
+    def busy(self, what: str) -> contextlib.AbstractContextManager: ...
+
+
+class Silent:
+    """The default sink: says nothing."""
+
+    def note(self, text: str) -> None:
+        pass
+
+    def preflight(self, report, *, final: bool) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        yield
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    replace: bool = False  # stop a running job of the same name first
+    distribute: bool = True  # ship the image to nodes that lack it (docker runtime), then check again
+    skip_collective: bool = False
+    collective_timeout_s: float = 60.0
+    ssh_config: str | None = None  # recorded with the job, for status/logs/stop
+
+
+@dataclass
+class Prepared:
+    """Everything ``execute`` needs, checked: the plan, each node's files, what preflight measured."""
+
+    job: LoadedJob
+    nodes: list[Node]
+    plan: LaunchPlan
+    files: dict[int, list[JobFile]]
+    spec_record: dict  # the secret-free resolved spec kept in the job record
+    preflight: object  # the PreflightReport
+    options: LaunchOptions
+    phases: Phases = field(default_factory=Phases)
+    started_at: float = field(default_factory=time.monotonic)
+    batch_script: str | None = None  # Slurm: the sbatch script made from this plan
+
+
+class Backend(Protocol):
+    """Where a prepared job runs: the SSH fleet (``fleet.SshFleet``); Slurm submits its own way."""
+
+    def start(self, prepared: Prepared, progress: Progress) -> Started: ...
+
+
+def new_job_id(name: str, now: float | None = None) -> str:
+    """``<name>-<UTC time>-<4 hex>``: sortable by start time, unique across controllers."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
+    return f"{name}-{stamp}-{pysecrets.token_hex(2)}"
+
+
+def env_file_values(job: LoadedJob) -> dict[str, str]:
+    """``launch.env_file`` read locally (all its names are secret: that file is for secrets)."""
+    if not job.spec.launch.env_file:
+        return {}
+    return read_env_file(job.resolve_local(job.spec.launch.env_file), job.where("launch.env_file"))
+
+
+def dry_run(job: LoadedJob, nodes: list[Node], job_id: str | None = None) -> LaunchPlan:
+    """The plan as it would run, touching no host (``launch --dry-run``)."""
+    secrets = secret_env(job, env_file_values(job))
+    return make_plan(job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=tuple(secrets))
+
+
+def memory_choice(
+    job: LoadedJob,
+    nodes: list[Node],
+    gpu_mem_gib,
+    host_mem_gib,
+    compute_capability: float | None = None,
+    nvme: dict[str, dict] | None = None,
+    progress: Progress | None = None,
+) -> tuple[Resolved, dict]:
+    """The planner's configuration for these nodes, or DoesNotFit with the numbers.
+
+    ``compute_capability`` (the lowest preflight found) decides ``precision: auto``:
+    bf16 from Ampere on, fp16 before. A job that insists on bf16 there is refused
+    here, before anything starts, rather than by every rank after loading the model.
+    """
+    bf16 = bf16_supported_by(compute_capability)
+    slots = [n.num_slots for n in nodes]
+    plan, ds_config = plan_for_job(
+        job,
+        slots,
+        gpu_mem_gib=gpu_mem_gib,
+        host_mem_gib=host_mem_gib,
+        bf16_supported=bf16,
+        # Only nodes where preflight found zero.nvme_path usable report it; all must.
+        nvme=nvme_reading(nvme) if nvme and len(nvme) == len(nodes) else None,
+    )
+    if plan.nvme_step_s is not None and progress is not None:
+        progress.note(
+            f"offload to NVMe: about {plan.nvme_step_s:.1f} s of disk I/O per optimizer step (preflight's bandwidth)"
+        )
+    if not bf16 and plan.precision == "bf16":  # auto would have become fp16: the job forces bf16
+        raise SpecError(
+            f"{job.where('train.precision')}: the job asks for bf16, but the nodes' GPUs have compute "
+            f"capability {compute_capability:g} and bf16 needs {BF16_MIN_COMPUTE_CAPABILITY:g} or newer "
+            "(Ampere, Hopper)",
+            fix="set train.precision: auto (fp16 on these GPUs), or remove bf16 from zero.config/zero.overrides",
+        )
+    require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
+    return plan.resolved(), ds_config
+
+
+def prepare(
+    job: LoadedJob,
+    nodes: list[Node],
+    pool: HostPool,
+    options: LaunchOptions | None = None,
+    progress: Progress | None = None,
+    *,
+    job_id: str | None = None,
+) -> Prepared:
+    """Check every node and plan the job on them; nothing is started, nothing recorded.
+
+    Preflight (and, for the docker runtime, ship a missing image and check again),
+    the memory plan from what the nodes have, the collective check across every
+    rank, the launch plan with the master address and interfaces preflight found,
+    the output storage probe, then each node's job files.
+    Raises ``InputError`` for bad input (no host touched), ``RuntimeFailure`` when
+    a node fails a check (with the report handed to ``progress.preflight`` first).
+    """
+    from ..preflight import run_preflight
+    from ..preflight.collective import collective_unless_skipped
+
+    options = options or LaunchOptions()
+    progress = progress or Silent()
+    secrets = secret_env(job, env_file_values(job))
+    job_id = job_id or new_job_id(job.spec.name)
+    check_local_inputs(job)  # input errors here: no host touched, no job recorded
+    phases = Phases()
+    started_at = time.monotonic()
+    with phases.timed("preflight"), progress.busy(f"preflight: checking {len(nodes)} node(s)"):
+        report = run_preflight(job, nodes, pool)
+    if job.spec.runtime == "docker" and options.distribute and _image_missing(report):
+        # The one failure launch repairs itself: ship the image, then check again.
+        with phases.timed("distribute"):
+            _distribute(job, nodes, pool, progress)
+        with phases.timed("preflight"):
+            report = run_preflight(job, nodes, pool)
+    progress.preflight(report, final=False)
+    require_preflight(report)
+    # The probe container's start and imports: container time, not dzctl's own (see the benchmark).
+    phases.seconds["preflight_container_probe"] = max(report.container_probe_s.values(), default=0.0)
+    gpu_mem = _min_reading(report, "gpu_mem_gib")
+    host_mem = _min_reading(report, "host_mem_gib")
+    capability = _min_reading(report, "gpu_compute_capability")
+    with phases.timed("memory_plan"):
+        resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem, capability, report.nvme, progress)
+    # Last before the start, as the model would load: every rank of every node in one all-reduce.
+    with phases.timed("collective"):
+        collective_unless_skipped(
+            job.spec,
+            nodes,
+            pool,
+            report,
+            skip=options.skip_collective,
+            timeout_s=options.collective_timeout_s,
+            job_id=job_id,
+        )
+    if not report.ok:
+        progress.preflight(report, final=True)
+        require_preflight(report)
+    plan = make_plan(
+        job.spec,
+        nodes,
+        job_id,
+        secret_names=tuple(secrets),
+        master_addr=report.master_addr,
+        interfaces=report.interfaces,
+        infiniband_hosts=frozenset(h for h, devices in report.infiniband.items() if devices),
+    )
+    storage = job.spec.train.output_storage
+    if storage == "auto":
+        with phases.timed("storage_probe"):
+            storage = probe_output_storage(plan, pool)
+    files = {n.node_rank: job_files(job, plan, n, nodes, ds_config, resolved, secrets, storage) for n in plan.nodes}
+    return Prepared(
+        job=job,
+        nodes=nodes,
+        plan=plan,
+        files=files,
+        spec_record=resolved_spec(job, plan, plan.nodes[0], resolved, storage),
+        preflight=report,
+        options=options,
+        phases=phases,
+        started_at=started_at,
+    )
+
+
+def execute(prepared: Prepared, backend: Backend, progress: Progress | None = None) -> Started:
+    """Start the prepared job through ``backend``; returns once every node runs (or raises, nothing left)."""
+    progress = progress or Silent()
+    started = backend.start(prepared, progress)
+    prepared.phases.seconds["total_to_running"] = round(time.monotonic() - prepared.started_at, 3)
+    progress.note(f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
+    return started
+
+
+def require_preflight(report) -> None:
+    """The same checks as `dzctl preflight`; nothing starts unless every node passes."""
+    if not report.ok:
+        failed = sorted({host for host, _ in report.failures()})
+        raise RuntimeFailure(
+            f"preflight failed on {len(failed)} of {len(report.hosts)} node(s): {', '.join(failed)}; "
+            "nothing was started",
+            fix="apply the fixes listed above, then launch again",
+        )
+
+
+def _min_reading(report, name: str) -> float | None:
+    values = getattr(report, name, None)
+    if isinstance(values, dict):
+        values = [v for v in values.values() if v is not None]
+        return min(values) if values else None
+    return values
+
+
+def _image_missing(report) -> bool:
+    return any(check.name == "image" for _, check in report.failures())
+
+
+def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, progress: Progress) -> None:
+    from ..image.distribute import distribute_image
+
+    progress.note(f"distributing {job.spec.image} to the nodes that lack it")
+    result = distribute_image(job.spec.image, nodes, pool)
+    result.raise_on_failure()
+
+
+# -- Slurm: the same plan, submitted with sbatch (orchestrator/backends/slurm) -------------------------------
+def slurm_request(job: LoadedJob, **given) -> SlurmRequest:
+    """The spec's ``slurm:`` section with the options given (None = not given) on top."""
+    import sys
+
+    from .slurm.script import SlurmRequest
+
+    section = job.spec.slurm.model_dump() if job.spec.slurm else {}
+    chosen = {**section, **{k: v for k, v in given.items() if v is not None}}
+    chosen.pop("gpu_mem_gib", None)
+    # The allocation's own steps run dzctl's Python: by default the one submitting (a shared install).
+    chosen["python"] = chosen.get("python") or sys.executable
+    return SlurmRequest(**{k: v for k, v in chosen.items() if v is not None})
+
+
+def slurm_plan(job: LoadedJob, request: SlurmRequest, job_id: str | None = None) -> tuple[LaunchPlan, str]:
+    """The plan for the nodes Slurm will allot and its batch script; pure (``launch --slurm --dry-run``)."""
+    from .slurm.script import IFNAME_VAR, MASTER, batch_script, planned_nodes, uses_preflight
+
+    if "{host}" in job.spec.launch.remote_dir or "{host}" in (job.spec.train.output_dir or ""):
+        raise SpecError(
+            f"{job.where('launch.remote_dir')}: with Slurm the job directory is one path every node shares; "
+            "'{host}' cannot be filled in before Slurm picks the nodes",
+            fix="set launch.remote_dir (and train.output_dir) to a shared path without {host}",
+        )
+    secrets = secret_env(job, env_file_values(job))
+    nodes = planned_nodes(job.spec, request)
+    # Each node's interface is what preflight finds inside the allocation: a variable the node expands.
+    interfaces = {n.host: "$" + IFNAME_VAR for n in nodes} if uses_preflight(request) else None
+    plan = make_plan(
+        job.spec,
+        nodes,
+        job_id or new_job_id(job.spec.name),
+        secret_names=tuple(secrets),
+        master_addr=MASTER,
+        interfaces=interfaces,
+    )
+    return plan, batch_script(plan, job.spec, request, script_path=f"{plan.nodes[0].job_dir}/job.sbatch")
+
+
+def prepare_slurm(job: LoadedJob, request: SlurmRequest, *, job_id: str | None = None) -> Prepared:
+    """Plan the job for a Slurm allocation: the memory plan, the job files, the batch script; nothing submitted.
+
+    The nodes are not known yet, so the memory planner takes the GPU memory from
+    ``slurm.gpu_mem_gib``; the checks that need the nodes run inside the allocation.
+    """
+    check_local_inputs(job)
+    plan, script = slurm_plan(job, request, job_id)
+    nodes = planned_nodes_of(plan)
+    gpu_mem = job.spec.slurm.gpu_mem_gib if job.spec.slurm else None
+    if job.spec.accelerator == "gpu" and gpu_mem is None:
+        raise SpecError(
+            f"{job.where('slurm')}: slurm.gpu_mem_gib is not set: the memory planner needs each GPU's memory, "
+            "and Slurm has not picked the nodes yet",
+            fix="set slurm.gpu_mem_gib (e.g. 140 for H200, 80 for H100/A100-80GB), or --set slurm.gpu_mem_gib=N",
+        )
+    resolved, ds_config = memory_choice(job, nodes, gpu_mem, None)
+    secrets = secret_env(job, env_file_values(job))
+    # One job dir for all nodes (shared), so the output dir is one too: checkpoints are written once.
+    files = {0: job_files(job, plan, plan.nodes[0], nodes, ds_config, resolved, secrets, "shared")}
+    return Prepared(
+        job=job,
+        nodes=nodes,
+        plan=plan,
+        files=files,
+        spec_record=resolved_spec(job, plan, plan.nodes[0], resolved, "shared"),
+        preflight=None,
+        options=LaunchOptions(),
+        batch_script=script,
+    )
+
+
+def planned_nodes_of(plan: LaunchPlan) -> list[Node]:
+    return [Node(n.host, tuple(range(n.slots))) for n in plan.nodes]

@@ -1,0 +1,4 @@
+"""The image every node runs: ``build`` (dzctl build), ``sources`` (pip's and apt's configured sources),
+``layers`` (which layers a node holds), ``store`` (the controller's layer store) and ``distribute``
+(the same image ID on every node, streamed over SSH).
+"""

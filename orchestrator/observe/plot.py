@@ -1,0 +1,81 @@
+"""``dzctl status JOB --plot FILE.png``: loss, smoothed loss, learning rate and useful tokens/s against step.
+
+matplotlib is imported here, inside ``write_plot``, and this module only when
+``--plot`` is given: the controller's usual import path never loads it (a test
+checks). It comes with the ``plot`` extra.
+
+The PNG carries the plotted series in its own text metadata (key
+``dzctl-series``, JSON): read back from the drawn lines, so a reader (the tests,
+a script comparing runs) gets the exact numbers without reading pixels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import InputError, RuntimeFailure
+from .view import EMA_FACTOR
+from .watchstate import ema
+
+SERIES_KEY = "dzctl-series"
+
+
+def plot_series(events: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """Quantity -> (steps, values) from the step events; each only where the value is known."""
+    steps = [e for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for key, name in (("loss", "loss"), ("learning_rate", "learning rate"), ("tokens_per_s", "useful tokens/s")):
+        known = [(e["step"], float(e[key])) for e in steps if isinstance(e.get(key), (int, float))]
+        series[name] = ([s for s, _ in known], [v for _, v in known])
+    loss_steps, losses = series["loss"]
+    series[f"smoothed loss (EMA {EMA_FACTOR})"] = (loss_steps, ema(losses, EMA_FACTOR))
+    return series
+
+
+def write_plot(events: list[dict], path: Path, title: str) -> dict[str, dict[str, list]]:
+    """Draw the four panels into ``path`` (PNG); returns the series as drawn (also stored in the PNG)."""
+    if path.suffix.lower() != ".png":
+        raise InputError(f"--plot {path}: the plot is written as PNG", fix=f"name it {path.with_suffix('.png')}")
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError(
+            "--plot needs matplotlib, which the controller does not install by default",
+            fix="pip install 'dzctl[plot]'",
+        ) from None
+    matplotlib.use("Agg")  # no display needed: the controller may be a CI box or an SSH session
+    import matplotlib.pyplot as plt
+
+    series = plot_series(events)
+    if not series["loss"][0]:
+        raise RuntimeFailure(
+            f"{title}: no step has been logged yet: nothing to plot", fix="plot again once the job has logged steps"
+        )
+    smoothed_name = f"smoothed loss (EMA {EMA_FACTOR})"
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    loss_ax, lr_ax, rate_ax = axes
+    loss_ax.plot(*series["loss"], label="loss", color="tab:blue", alpha=0.45, linewidth=1)
+    loss_ax.plot(*series[smoothed_name], label=smoothed_name, color="tab:blue", linewidth=2)
+    loss_ax.set_ylabel("loss")
+    loss_ax.legend(loc="upper right")
+    lr_ax.plot(*series["learning rate"], label="learning rate", color="tab:orange")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    rate_ax.plot(*series["useful tokens/s"], label="useful tokens/s", color="tab:green")
+    rate_ax.set_ylabel("useful tokens/s (job)")
+    rate_ax.set_xlabel("step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    # What was drawn, read back from the figure's own lines: the metadata is the plot's data.
+    drawn = {
+        line.get_label(): {"step": [int(x) for x in line.get_xdata()], "value": [float(y) for y in line.get_ydata()]}
+        for ax in axes
+        for line in ax.get_lines()
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata={SERIES_KEY: json.dumps(drawn), "Software": "dzctl"})
+    plt.close(fig)
+    return drawn

@@ -1,0 +1,236 @@
+"""A job's state, derived from what the hosts say (pure; ``observe.py`` asks them).
+
+The record alone can be stale (the controller may have been killed, a node may
+have died since): the node states and rank 0's progress.jsonl decide.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from ..runtimes.control import NodeState
+
+FAILED_NODE_STATES = frozenset({"dead"})
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    host: str
+    node_rank: int
+    state: str
+    exit_code: int | None
+    oom_killed: bool
+    finished_at: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    job: str
+    job_id: str
+    state: str  # pending | running | succeeded | failed | stopped
+    nodes: list[NodeStatus]
+    progress: dict | None
+    progress_age_s: float | None
+    first_failure: dict | None
+    # What the launch's checks measured, from the record: {"collective": {...}} (busbw, transports).
+    preflight: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def state_failed(state: str, exit_code: int | None) -> bool:
+    """A node's container (or process supervisor) ended badly: dead, or exited non-zero."""
+    return state in FAILED_NODE_STATES or (state == "exited" and exit_code not in (0, None))
+
+
+def node_failed(node: NodeStatus) -> bool:
+    return state_failed(node.state, node.exit_code)
+
+
+def derive_state(record_state: str, nodes: list[NodeStatus]) -> str:
+    if record_state == "stopped":
+        # The record says someone stopped it; the nodes have the last word: a rank still running
+        # (a stop that failed on that node, or a relaunch outside dzctl) is not stopped.
+        return "running" if any(n.state == "running" for n in nodes) else "stopped"
+    if any(node_failed(n) for n in nodes):
+        return "failed"
+    states = {n.state for n in nodes}
+    if "missing" in states and record_state == "running":
+        return "failed"  # every rank was started: a container that vanished was removed or lost
+    if states == {"exited"}:
+        return "succeeded"
+    if "running" in states:
+        return "running"
+    if states <= {"missing", "created"} and record_state in ("starting", "pending"):
+        return "pending"
+    if states == {"missing"} and record_state in ("succeeded", "failed"):
+        return record_state  # containers removed after the end: the record has the result
+    return record_state
+
+
+GANG_EXIT_CODE = 75  # orchestrator.train.gang's own exit: "stopped because another node failed"
+GANG_LINE = "dzctl gang: node "  # what the gang watchdog prints before it ends its node (train/gang.py)
+
+
+def first_failure(
+    nodes: list[NodeStatus],
+    reasons: dict[int, str],
+    sequence: dict[int, int] | None = None,
+    gang_stopped: set[int] | frozenset[int] = frozenset(),
+) -> dict | None:
+    """The rank that failed first, decided without comparing node clocks (which may differ by minutes):
+
+    1. a node the gang watchdog stopped (``gang_stopped``: its log says so; or exit 75) was stopped
+       because another node failed: it comes after every other failed node;
+    2. a node that failed without reporting to the rendezvous store (killed outright, OOM-killed,
+       crashed hard) comes before the nodes that reported: a rank that raises reports, and when a
+       peer vanishes the others' collectives raise and report after the fact (seen on the test
+       hosts: node 0's gloo error reported while node 1 had been SIGKILLed);
+    3. nodes that reported, in the order of the store's failure counter (``sequence``: node rank ->
+       1 for the first to report), one counter on the master for all nodes;
+    4. only then end times, which come from each node's own clock (two nodes killed outright leave
+       nothing else), and the node rank.
+    """
+    failed = [n for n in nodes if node_failed(n)]
+    if not failed:
+        return None
+    sequence = sequence or {}
+
+    def order(n: NodeStatus) -> tuple:
+        seq = sequence.get(n.node_rank)
+        stopped_by_gang = n.node_rank in gang_stopped or n.exit_code == GANG_EXIT_CODE
+        return (stopped_by_gang, seq is not None, seq or 0, n.finished_at is None, n.finished_at or 0.0,
+                n.node_rank)  # fmt: skip
+
+    first = min(failed, key=order)
+    return {
+        "node_rank": first.node_rank,
+        "host": first.host,
+        "exit_code": first.exit_code,
+        "reason": reasons.get(first.node_rank) or describe_exit(first),
+    }
+
+
+def describe_exit(node: NodeStatus) -> str:
+    if node.oom_killed:
+        return "killed by the kernel's OOM killer (host memory)"
+    if node.exit_code == 137:
+        return "killed (SIGKILL, exit 137): OOM killer, docker kill, or a lost node"
+    if node.exit_code == GANG_EXIT_CODE:
+        return "stopped by dzctl's gang watchdog because another node failed (exit 75)"
+    if node.exit_code == 143:
+        return "terminated (SIGTERM, exit 143)"
+    if node.state == "dead":
+        return "the rank's supervisor died without recording an exit code"
+    return f"exited with code {node.exit_code}"
+
+
+def parse_progress(
+    text: str, now: float | None = None, job_id: str | None = None
+) -> tuple[dict | None, float | None, list[dict]]:
+    """From progress.jsonl: the latest progress, the age of its last line, and the error events.
+
+    ``job_id``: keep only that job's lines (the trainer stamps each with
+    DZCTL_JOB_ID): an output dir reused by a relaunch holds earlier runs' lines.
+    """
+    last_step: dict | None = None
+    last_time: float | None = None
+    errors: list[dict] = []
+    for event in job_events(text, job_id):
+        stamp = event.get("time")
+        if isinstance(stamp, (int, float)):
+            last_time = float(stamp)
+        if event.get("event") == "step":
+            last_step = event
+        elif event.get("step") is not None and event.get("event") in ("start", "checkpoint", "end"):
+            # Later events move the step on; loss and speed stay the last step's
+            # (the end event's loss is the run's average, not where it ended).
+            last_step = {**(last_step or {}), "step": event["step"], "max_steps": event.get("max_steps"),
+                         "event": event["event"]}  # fmt: skip
+        if event.get("event") == "error":
+            error = {"rank": event.get("rank"), "reason": str(event.get("reason") or "error")}
+            if isinstance(event.get("failure_seq"), int):
+                error["failure_seq"] = event["failure_seq"]
+            errors.append(error)
+    progress = None
+    if last_step is not None:
+        progress = {
+            "step": last_step.get("step"),
+            "max_steps": last_step.get("max_steps"),
+            "loss": last_step.get("loss"),
+            "tokens_per_s": last_step.get("tokens_per_s"),  # real (non-pad) tokens, the whole job
+            "padding_efficiency": last_step.get("padding_efficiency"),  # real / processed tokens
+            "eta_s": last_step.get("eta_s"),
+            "event": last_step.get("event"),
+        }
+    age = None if last_time is None else max(0.0, (now if now is not None else time.time()) - last_time)
+    return progress, age, errors
+
+
+def job_events(text: str, job_id: str | None = None) -> list[dict]:
+    """The events of progress.jsonl text, only ``job_id``'s when given (see ``parse_progress``)."""
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written as we read
+        if isinstance(event, dict):
+            events.append(event)
+    if job_id is not None and any(e.get("job_id") == job_id for e in events):
+        # A trainer that stamps lines (any since this field exists) and has written ours.
+        events = [e for e in events if e.get("job_id") == job_id]
+    elif job_id is not None and any("job_id" in e for e in events):
+        events = []  # only other jobs' lines so far
+    return events
+
+
+def error_on_node(errors: list[dict], slots: list[int], node_rank: int) -> str | None:
+    """The first error event written by a rank of this node (global ranks follow node order)."""
+    first = sum(slots[:node_rank])
+    mine = range(first, first + slots[node_rank])
+    for error in errors:
+        if isinstance(error.get("rank"), int) and error["rank"] in mine:
+            return error["reason"]
+    return None
+
+
+FAILURE_SEQ_LINE = "dzctl failure-seq: "  # the trainer's own line, after its traceback (train/entry.py)
+
+
+def failure_sequence_in_log(lines: list[str]) -> int | None:
+    """The store's sequence number a rank printed in its log when it reported its failure."""
+    for line in reversed(lines):
+        _, found, rest = line.partition(FAILURE_SEQ_LINE)
+        words = rest.split()
+        if found and words and words[0].isdigit():
+            return int(words[0])
+    return None
+
+
+def failure_sequence(errors: list[dict], slots: list[int]) -> dict[int, int]:
+    """Node rank -> the store's sequence number of its first reported failure (see first_failure)."""
+    sequence: dict[int, int] = {}
+    for error in errors:
+        rank, seq = error.get("rank"), error.get("failure_seq")
+        if isinstance(rank, int) and isinstance(seq, int):
+            node = next((i for i in range(len(slots)) if sum(slots[: i + 1]) > rank), None)
+            if node is not None:
+                sequence[node] = min(seq, sequence.get(node, seq))
+    return sequence
+
+
+def node_status(host: str, rank: int, state: NodeState) -> NodeStatus:
+    return NodeStatus(
+        host=host,
+        node_rank=rank,
+        state=state.state,
+        exit_code=state.exit_code,
+        oom_killed=state.oom_killed,
+        finished_at=state.finished_at,
+        error=state.error,
+    )

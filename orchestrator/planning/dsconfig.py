@@ -1,0 +1,340 @@
+"""The DeepSpeed ZeRO-3 config of a job, built from the spec and the resolved choices (pure: no torch).
+
+The controller (``dzctl plan``/``launch``), the memory planner and the in-container
+trainer all call this module, so it imports nothing heavier than the spec.
+
+API (stable; callers rely on it):
+
+- ``Resolved``: the concrete choices a config needs. ``micro_batch_size``,
+  ``gradient_checkpointing``, ``offload_optimizer``, ``offload_param``,
+  ``reduce_bucket_size``, ``prefetch_bucket_size``, ``param_persistence_threshold``
+  (``None`` = leave ``"auto"`` for the HF Trainer, which sizes them from the
+  model's hidden size) and ``precision`` (``bf16``/``fp16``/``fp32``).
+- ``resolve_defaults(spec, *, bf16_supported=True) -> Resolved``: the choices when
+  no planner result is given (``auto`` resolved conservatively: micro-batch 1,
+  checkpointing on for GPUs, no offload).
+- ``bucket_sizes(hidden_size) -> (reduce, prefetch, persistence)``: the sizes the
+  planner should put into ``Resolved`` once it knows the hidden size.
+- ``build_ds_config(spec, resolved, world_size) -> dict``: the generated config,
+  with ``zero.overrides`` merged in last.
+- ``load_user_config(loaded_job) -> dict | None``: ``zero.config`` read (JSON), errors
+  naming the file.
+- ``merge(base, overrides) -> dict``: deep merge, overrides win.
+- ``fill_auto(ds, resolved, world_size, spec) -> dict``: replace ``"auto"`` values
+  with the resolved ones, for a config that must be concrete before launch.
+- ``job_ds_config(loaded_job, resolved, world_size) -> dict``: the one entry point:
+  ``zero.config`` (if given) or the generated config, plus ``zero.overrides``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import SpecError
+from ..spec.job import JobSpec, LoadedJob
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Concrete values for every ``auto`` in the spec that the DeepSpeed config depends on."""
+
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    offload_optimizer: bool
+    offload_param: bool
+    reduce_bucket_size: int | None
+    prefetch_bucket_size: int | None
+    param_persistence_threshold: int | None
+    precision: Precision
+    # train.fused_loss as the planner resolved it (orchestrator/planning/fusedloss.py); None: not resolved here.
+    fused_loss: str | None = None
+    # offload: nvme (ZeRO-Infinity): both offloads go to this folder instead of host RAM.
+    nvme_path: str | None = None
+    # Elements of one parameter swap buffer; DeepSpeed needs it to hold the largest weight.
+    nvme_buffer_elements: int | None = None
+
+
+def bucket_sizes(hidden_size: int) -> tuple[int, int, int]:
+    """ZeRO-3 bucket/prefetch/persistence sizes from the hidden size.
+
+    The same rule the HF integration applies to ``"auto"`` (hidden², 0.9·hidden²,
+    10·hidden): buckets about one weight matrix large keep the all-gathers and
+    reduce-scatters big enough to run at link speed without holding much memory.
+    """
+    return hidden_size * hidden_size, int(0.9 * hidden_size * hidden_size), 10 * hidden_size
+
+
+# bf16 tensor cores arrived with Ampere (compute capability 8.0); V100 (7.0) and T4 (7.5)
+# have none, and torch.cuda.is_bf16_supported() says False there.
+BF16_MIN_COMPUTE_CAPABILITY = 8.0
+
+
+def bf16_supported_by(compute_capability: float | None) -> bool:
+    """Whether GPUs of this compute capability train in bf16; unknown (``None``) counts as yes."""
+    return compute_capability is None or compute_capability >= BF16_MIN_COMPUTE_CAPABILITY
+
+
+def resolve_precision(spec: JobSpec, *, bf16_supported: bool = True) -> Precision:
+    """``auto``: bf16 where the GPU has it, else fp16 (dynamic loss scaling); fp32 on CPU."""
+    chosen = spec.train.precision
+    if chosen != "auto":
+        return chosen
+    if spec.accelerator == "cpu":
+        # DeepSpeed's CPU path is for tests and small runs; fp32 keeps its results exact.
+        return "fp32"
+    return "bf16" if bf16_supported else "fp16"
+
+
+def resolve_defaults(spec: JobSpec, *, bf16_supported: bool = True) -> Resolved:
+    """The choices used when no planner result is given: safe rather than fast."""
+    train = spec.train
+    micro = train.micro_batch_size if train.micro_batch_size != "auto" else 1
+    if train.gradient_checkpointing == "auto":
+        # On GPUs activations are what runs out first; tiny CPU models do not need it.
+        checkpointing = spec.accelerator == "gpu"
+    else:
+        checkpointing = bool(train.gradient_checkpointing)
+    offload = spec.zero.offload if spec.zero.offload != "auto" else "none"
+    hidden = (spec.model.config or {}).get("hidden_size")
+    vocab = (spec.model.config or {}).get("vocab_size")
+    sizes: tuple[int | None, int | None, int | None] = (None, None, None)
+    if isinstance(hidden, int) and hidden > 0:
+        sizes = bucket_sizes(hidden)
+    return Resolved(
+        micro_batch_size=micro,
+        gradient_checkpointing=checkpointing,
+        offload_optimizer=offload in ("optimizer", "all", "nvme"),
+        offload_param=offload in ("all", "nvme"),
+        reduce_bucket_size=sizes[0],
+        prefetch_bucket_size=sizes[1],
+        param_persistence_threshold=sizes[2],
+        precision=resolve_precision(spec, bf16_supported=bf16_supported),
+        nvme_path=spec.zero.nvme_path if offload == "nvme" else None,
+        nvme_buffer_elements=hidden * vocab if isinstance(hidden, int) and isinstance(vocab, int) else None,
+    )
+
+
+# DeepSpeed's defaults for ZeRO-Infinity (docs: "Parameter offloading", "Asynchronous I/O"),
+# written out so a plan shows them: 5 pinned parameter buffers of at least 1e8 elements,
+# 4 optimizer swap buffers, and libaio reads/writes of 1 MiB blocks, 8 deep.
+NVME_PARAM_BUFFERS = 5
+NVME_MIN_BUFFER_ELEMENTS = 100_000_000
+NVME_OPTIMIZER_BUFFERS = 4
+# The optimizer steps one sub-group at a time, swapping its fp32 states in and out of
+# NVMe; 1e8 elements (DeepSpeed's ZeRO-Infinity examples) keeps those pinned buffers at
+# 1.6 GB instead of the 16 GB of the default 1e9.
+NVME_SUB_GROUP_SIZE = 100_000_000
+AIO_CONFIG = {
+    "block_size": 1_048_576,
+    "queue_depth": 8,
+    "thread_count": 1,
+    "single_submit": False,
+    "overlap_events": True,
+}
+
+
+def nvme_buffer_size(resolved: Resolved) -> int:
+    """Elements per parameter swap buffer: the default, or the largest weight where that is larger."""
+    return max(NVME_MIN_BUFFER_ELEMENTS, resolved.nvme_buffer_elements or 0)
+
+
+def nvme_sections(resolved: Resolved) -> dict[str, Any]:
+    """The ``zero_optimization`` entries of ZeRO-Infinity: parameters and optimizer states on NVMe."""
+    path = resolved.nvme_path
+    return {
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": path,
+            "pin_memory": True,
+            "buffer_count": NVME_PARAM_BUFFERS,
+            "buffer_size": nvme_buffer_size(resolved),
+        },
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": path,
+            "pin_memory": True,
+            "buffer_count": NVME_OPTIMIZER_BUFFERS,
+        },
+        "sub_group_size": NVME_SUB_GROUP_SIZE,
+    }
+
+
+def _auto(value: int | None) -> int | str:
+    return "auto" if value is None else value
+
+
+def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[str, Any]:
+    """The generated ZeRO-3 config for ``world_size`` ranks, ``zero.overrides`` merged last."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    train = spec.train
+    accumulation = train.gradient_accumulation_steps
+    zero: dict[str, Any] = {
+        "stage": 3,
+        # Overlapping communication with compute is what makes ZeRO-3 fast on NVLink.
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": _auto(resolved.reduce_bucket_size),
+        "stage3_prefetch_bucket_size": _auto(resolved.prefetch_bucket_size),
+        "stage3_param_persistence_threshold": _auto(resolved.param_persistence_threshold),
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        # Without this, save_model under ZeRO-3 writes empty tensors (the classic bug):
+        # the consolidated model needs the partitions gathered at save time.
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    if resolved.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if resolved.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if resolved.nvme_path is not None:
+        zero.update(nvme_sections(resolved))
+    config_optimizer: dict[str, Any] | None = None
+    if resolved.offload_optimizer:
+        # With the optimizer offloaded DeepSpeed needs its own CPU Adam (a JIT-built op).
+        config_optimizer = {
+            "type": "AdamW",
+            "params": {
+                "lr": train.learning_rate,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": train.weight_decay,
+            },
+        }
+    # Otherwise no "optimizer" section: the HF Trainer then hands DeepSpeed torch's
+    # fused AdamW (one kernel over ZeRO's flat fp32 partitions). Measured on 2xH200
+    # (Qwen3-8B shape, seq 4096, micro-batch 4; benchmarks/results/h200x2-20261130):
+    # torch's multi-tensor AdamW ("torch_adam") gave 6,245 tokens/s/GPU and ~120 GiB
+    # reserved, fused 6,352 and ~114 GiB. DeepSpeed's FusedAdam would need a JIT op
+    # build (a compiler and a minute in every fresh container).
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": resolved.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": resolved.micro_batch_size * accumulation * world_size,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": resolved.precision == "bf16"},
+        "fp16": {
+            "enabled": resolved.precision == "fp16",
+            # loss_scale 0 = dynamic loss scaling, needed for fp16 to not under/overflow.
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "steps_per_print": 1_000_000,  # the trainer's progress.jsonl reports; DeepSpeed's prints are noise
+        "wall_clock_breakdown": False,
+    }
+    if config_optimizer is not None:
+        config["optimizer"] = config_optimizer
+    if resolved.nvme_path is not None:
+        config["aio"] = dict(AIO_CONFIG)
+    return merge(config, spec.zero.overrides)
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key, any other value in ``overrides`` replaces."""
+    result = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merge(result[key], value)
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def load_user_config(loaded: LoadedJob) -> dict[str, Any] | None:
+    """``zero.config`` as a dict (``None`` when the spec names none). Errors name the file."""
+    name = loaded.spec.zero.config
+    if name is None:
+        return None
+    path = loaded.resolve_local(name)
+    where = loaded.where("zero.config")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(
+            f"{where}: zero.config: file not found: {path}", fix="fix the path (relative to the job file)"
+        ) from None
+    except OSError as exc:
+        raise SpecError(f"{where}: zero.config: cannot read {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: a DeepSpeed config is a JSON object, not a {type(data).__name__}")
+    stage = data.get("zero_optimization", {}).get("stage", 3) if isinstance(data.get("zero_optimization"), dict) else 3
+    if stage != 3:
+        raise SpecError(
+            f"{path}: zero_optimization.stage is {stage}; dzctl runs ZeRO stage 3 only",
+            fix='set "stage": 3 or remove it',
+        )
+    return data
+
+
+def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: JobSpec) -> dict[str, Any]:
+    """Replace the ``"auto"`` values that the resolved choices decide; others stay ``"auto"``.
+
+    The HF Trainer resolves the remaining ones (learning rate, scheduler) from its
+    arguments, which come from the same spec, so both ends agree.
+    """
+    out = copy.deepcopy(ds)
+    accumulation = spec.train.gradient_accumulation_steps
+    top = {
+        "train_micro_batch_size_per_gpu": resolved.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": resolved.micro_batch_size * accumulation * world_size,
+        "gradient_clipping": 1.0,
+    }
+    for key, value in top.items():
+        if out.get(key) == "auto":
+            out[key] = value
+    zero = out.get("zero_optimization")
+    if isinstance(zero, dict):
+        sizes = {
+            "reduce_bucket_size": resolved.reduce_bucket_size,
+            "stage3_prefetch_bucket_size": resolved.prefetch_bucket_size,
+            "stage3_param_persistence_threshold": resolved.param_persistence_threshold,
+        }
+        for key, value in sizes.items():
+            if zero.get(key) == "auto" and value is not None:
+                zero[key] = value
+    for name in ("bf16", "fp16"):
+        section = out.get(name)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            section["enabled"] = resolved.precision == name
+    return out
+
+
+def job_ds_config(loaded: LoadedJob, resolved: Resolved, world_size: int) -> dict[str, Any]:
+    """The job's config: the user's ``zero.config`` (autos filled) or the generated one; overrides last."""
+    user = load_user_config(loaded)
+    if user is None:
+        return build_ds_config(loaded.spec, resolved, world_size)
+    return merge(fill_auto(user, resolved, world_size, loaded.spec), loaded.spec.zero.overrides)
+
+
+def precision_of(ds: dict[str, Any]) -> Precision:
+    """The precision a (possibly user-written) config asks for."""
+    for name in ("bf16", "fp16"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return name  # type: ignore[return-value]
+    return "fp32"
+
+
+def offload_of(ds: dict[str, Any]) -> tuple[bool, bool]:
+    """(optimizer offloaded, parameters offloaded) in a config."""
+    zero = ds.get("zero_optimization") or {}
+
+    def _on(section: Any) -> bool:
+        return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
+
+    return _on(zero.get("offload_optimizer")), _on(zero.get("offload_param"))

@@ -1,0 +1,472 @@
+"""The memory planner: per-GPU and per-node host memory of a ZeRO-3 job, and the auto choice.
+
+Pure: numbers in, numbers out. ``dzctl plan`` feeds it flags; the launch path feeds
+it preflight's readings. No torch: every term is a formula over the model's shape,
+each constant stated beside it with its reason.
+
+The model (all sizes in bytes; N = parameters, W = GPUs in the job, T = tokens
+per micro-batch = micro_batch_size × seq_len, P = bytes per bf16/fp16/fp32 value):
+
+* Model states, partitioned over all W GPUs by ZeRO-3 (ZeRO paper, §5):
+  parameters P·N/W, gradients P·N/W (DeepSpeed accumulates in the model dtype by
+  default), fp32 master copy 4·N/W (mixed precision only) and Adam m, v 8·N/W.
+  ``offload_optimizer`` moves master, Adam and gradients to host RAM; ``offload_param``
+  moves the parameter partitions too.
+* ZeRO-3 working set: the largest single weight gathered whole (for these models
+  the embedding/LM head, gathered again for the backward), its full gradient before
+  the reduce-scatter, the prefetch bucket and the gradient bucket, and the small
+  parameters kept whole on every GPU (below the persistence threshold: norms, biases).
+* Activations per layer per token, counted from what autograd saves in the HF
+  Llama/Qwen layers with SDPA/flash attention (no seq² term): see
+  ``layer_activation_bytes_per_token``. With gradient checkpointing only each layer's
+  input is kept, plus one layer's activations during its recomputation.
+* Logits at the loss: see ``logits_bytes_per_token``. At seq 4096 and a 152k
+  vocabulary this is the largest activation term by far. A fused loss
+  (``train.fused_loss``, orchestrator/planning/fusedloss.py) never holds them: see
+  ``loss_bytes``; ``liger`` also brings Liger's RMSNorm and SwiGLU, which keep less
+  per layer (``kernels="liger"``).
+* Peak = states + max(forward/backward transient, optimizer-step transient).
+
+Pinned against measurements on 2×H200 (DESIGN §5; tests/test_memory.py); the
+fit test then adds a stated allocator margin and the memory CUDA itself takes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ...spec.job import LoraSpec
+from .. import fusedloss
+from ..dsconfig import (
+    NVME_MIN_BUFFER_ELEMENTS,
+    NVME_OPTIMIZER_BUFFERS,
+    NVME_PARAM_BUFFERS,
+    NVME_SUB_GROUP_SIZE,
+)
+from ..fusedloss import FusedLoss
+from ..shape import ModelShape
+
+GIB = 1024**3
+
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+# nvme: ZeRO-Infinity, parameters and optimizer states swapped to a local NVMe disk.
+Offload = Literal["none", "optimizer", "all", "nvme"]
+
+
+# PyTorch's caching allocator holds more than it hands out (fragmentation from the
+# changing tensor sizes of the loss and the gathers). In the measured runs that fit,
+# reserved exceeded peak allocated by 5–20 % (115.4 vs 95.8 GiB at micro-batch 4: an outside
+# raw-engine figure, design notes §5, loop not in this repo); require that much headroom
+# on top of the predicted peak. The trainer
+# turns on expandable segments (train/environment.py), which cut that to 13 % at
+# micro-batch 6 (127.2 vs 112.2 GiB; 137.9 without them); the margin is kept for jobs
+# run with another allocator setting.
+ALLOCATOR_MARGIN = 0.20
+
+
+# GPU memory outside PyTorch's allocator, so never in max_memory_allocated: the CUDA
+# context and module images (~0.5 GiB on Hopper with lazy loading), cuBLAS/cuBLASLt
+# workspaces and NCCL's communicator buffers. A stated allowance, not a measurement.
+NON_TORCH_GPU_GIB = 2.0
+
+
+# Host RAM of one rank besides offloaded states: CPython, torch and CUDA host
+# allocations, NCCL, DeepSpeed (its CPU Adam op), and the checkpoint shard being
+# loaded (HF shards are ≤ 5 GB, read through mmap). A stated allowance.
+RANK_HOST_GIB = 4.0
+
+
+# Share of a node's RAM left to the OS, page cache, dockerd and the data loader.
+HOST_RESERVE_FRACTION = 0.10
+
+
+# DeepSpeed's default ZeRO-3 sub_group_size (elements): the optimizer steps one
+# sub-group at a time, and offloaded fp32 gradients are pinned per sub-group.
+SUB_GROUP_SIZE = 1_000_000_000
+
+
+def bytes_per_value(precision: Precision) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def pinned_bytes(size: int) -> int:
+    """Host RAM taken by one pinned tensor of ``size`` bytes.
+
+    ``Tensor.pin_memory()`` goes through PyTorch's CachingHostAllocator, which rounds
+    every block up to the next power of two (pytorch/pytorch#95823; measured again on
+    torch 2.11 in vllm-project/vllm#53042: a 2.08 GiB request takes 4 GiB). DeepSpeed
+    pins its offload buffers that way.
+    """
+    return 0 if size <= 0 else 1 << (size - 1).bit_length()
+
+
+Kernels = Literal["hf", "liger"]
+
+
+def norm_bytes_per_token(width: int, act: int, *, weighted_output_saved: bool, kernels: Kernels = "hf") -> int:
+    """What one RMSNorm leaves saved per token over ``width`` values.
+
+    HF's upcasts to fp32 (kept for the variance's backward; in fp32 that is the input
+    itself), keeps an fp32 1/rms per row, and keeps its normalised output in the
+    activation dtype (for the weight's gradient). Liger's (ops/rms_norm.py, 0.8) keeps
+    only its input in the activation dtype and the fp32 1/rms. When a linear layer
+    reads the weighted output, that linear keeps the weighted output as well.
+    """
+    kept = act if kernels == "liger" else 4 + act
+    return (kept + (act if weighted_output_saved else 0)) * width + 4
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, act: int, kernels: Kernels = "hf") -> int:
+    """Bytes autograd keeps per token for one decoder layer without checkpointing.
+
+    ``act`` = bytes of the activation dtype. Counted from the HF Llama/Qwen layers
+    (and checked against torch's saved-tensor hooks in tests/test_memory.py):
+    * input and post-attention RMSNorm: each feeds linears (see ``norm_bytes_per_token``);
+    * Qwen3's q_norm and k_norm per head: their output goes through RoPE, which keeps
+      only cos/sin (shared by all layers), not its input;
+    * SDPA/flash attention keeps q and k after RoPE and v (GQA: k, v are kv_dim wide),
+      its output, and an fp32 log-sum-exp per head and token; o_proj reads that output
+      as a view (flash layouts are already token-major), so keeps no copy;
+    * the SwiGLU MLP keeps gate, SiLU(gate), up and their product (intermediate wide);
+      Liger's SwiGLU keeps gate and up and recomputes SiLU in the backward (ops/swiglu.py);
+    * residual adds and biases keep nothing.
+    With ``kernels="liger"`` (``train.fused_loss: liger``) the norms and the MLP are
+    Liger's; its RoPE, like HF's, keeps only cos/sin.
+    """
+    h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+    total = 2 * norm_bytes_per_token(h, act, weighted_output_saved=True, kernels=kernels)
+    if shape.qk_norm:
+        total += norm_bytes_per_token(shape.head_dim, act, weighted_output_saved=False, kernels=kernels) * (
+            shape.num_heads + shape.num_kv_heads
+        )
+    total += act * (q + 2 * kv)  # q, k, v saved by attention
+    total += act * q + 4 * shape.num_heads  # attention output + log-sum-exp
+    total += (3 if kernels == "liger" else 4) * act * i  # gate, [silu(gate),] up, product
+    return total
+
+
+def logits_bytes_per_token(shape: ModelShape, act: int) -> int:
+    """Bytes per token live at the loss's backward, when the logits cost most.
+
+    The logits in the activation dtype (held as the model's output), the fp32
+    log-softmax that cross-entropy saves (transformers upcasts logits to fp32 for the
+    loss), the fp32 gradient of the logits, and that gradient cast back to the
+    activation dtype for the LM head's backward (no cast in fp32).
+    """
+    v = shape.vocab_size
+    return act * v + 4 * v + 4 * v + (act * v if act < 4 else 0)
+
+
+def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss) -> int:
+    """Bytes live at the loss's most expensive moment, beyond the final norm's saved tensors.
+
+    * ``none``: the logits (``logits_bytes_per_token``) of every token.
+    * ``liger``: the fused linear cross-entropy computes its gradients in the forward
+      (ops/fused_linear_cross_entropy.py, 0.8): the hidden states' gradient (activation
+      dtype), an fp32 loss per token and the target mask, and one chunk's logits in
+      the activation dtype (the cross-entropy kernel writes their gradient in place).
+      Its full ``lm_head`` gradient is the "its grad" of the gathered-layer term.
+    * ``chunked`` (orchestrator/train/loss.py): at its backward, the hidden states'
+      gradient, an fp32 log-sum-exp per token, and for one chunk the logits in the
+      activation dtype, their fp32 copy turned into the gradient in place and that
+      gradient cast back; the ``lm_head`` gradient is again the gathered-layer term.
+    """
+    h, v = shape.hidden_size, shape.vocab_size
+    if fused_loss == "liger":
+        chunk = fusedloss.liger_chunk_tokens(tokens, v, h)
+        return (act * h + 4 + 1) * tokens + act * v * chunk
+    if fused_loss == "chunked":
+        chunk = fusedloss.chunk_tokens(tokens, v, h)
+        return (act * h + 4) * tokens + (act + 4 + act) * v * chunk
+    return logits_bytes_per_token(shape, act) * tokens
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """ZeRO-3 communication sizes in elements, from the hidden size (dsconfig.bucket_sizes)."""
+
+    reduce: int
+    prefetch: int
+    persistence: int
+
+    @classmethod
+    def for_hidden(cls, hidden: int) -> Buckets:
+        # The HF integration's rule for "auto" (transformers/integrations/deepspeed.py):
+        # hidden², 0.9·hidden², 10·hidden: about one weight matrix per bucket.
+        return cls(hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden)
+
+
+@dataclass(frozen=True)
+class Choice:
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    offload: Offload
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.offload in ("optimizer", "all", "nvme")
+
+    @property
+    def offload_param(self) -> bool:
+        return self.offload in ("all", "nvme")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted peak per GPU and host RAM per rank, each term shown (bytes)."""
+
+    choice: Choice
+    gpu_terms: dict[str, int]  # every term of the per-GPU peak (allocated by PyTorch)
+    peak_phase: str  # "forward/backward" or "optimizer step"
+    host_terms_per_rank: dict[str, int]
+    nvme_terms_per_rank: dict[str, int] = field(default_factory=dict)  # bytes on the NVMe disk (offload nvme)
+    trainable_params: int = 0  # all parameters for full fine-tuning, the adapters for LoRA
+    method: str = "full"  # or "lora"
+
+    @property
+    def nvme_per_rank(self) -> int:
+        return sum(self.nvme_terms_per_rank.values())
+
+    @property
+    def gpu_peak(self) -> int:
+        return sum(self.gpu_terms.values())
+
+    @property
+    def gpu_required(self) -> float:
+        """Bytes a GPU must have for this to run: peak plus allocator margin plus non-PyTorch memory."""
+        return self.gpu_peak * (1 + ALLOCATOR_MARGIN) + NON_TORCH_GPU_GIB * GIB
+
+    @property
+    def host_per_rank(self) -> int:
+        return sum(self.host_terms_per_rank.values())
+
+
+def estimate(
+    shape: ModelShape,
+    choice: Choice,
+    *,
+    seq_len: int,
+    precision: Precision,
+    world_size: int,
+    buckets: Buckets | None = None,
+    fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
+) -> Estimate:
+    """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
+
+    ``lora``: only adapters train (``train.method: lora``); the base weights stay
+    partitioned in the model dtype and have no gradients, master copies or Adam states.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    b = buckets or Buckets.for_hidden(shape.hidden_size)
+    p = bytes_per_value(precision)
+    g = p  # DeepSpeed's grad_accum_dtype defaults to the model dtype
+    n = shape.total_params
+    shard = math.ceil(n / world_size)
+    # What has gradients and optimizer states: everything, or the adapters (partitioned too).
+    trainable = lora.adapter_params(shape) if lora else n
+    tshard = math.ceil(trainable / world_size)
+    master = 4 if p < 4 else 0  # fp32 master weights exist only in mixed precision
+    adam = 8  # Adam's m and v in fp32
+
+    gpu: dict[str, int] = {}
+    host: dict[str, int] = {}
+    # ZeRO-3 model states
+    if choice.offload == "nvme":
+        host.update(nvme_host_buffers(shape, p, tshard))
+    elif choice.offload_param:
+        host["params (pinned)"] = pinned_bytes(p * shard)
+        # zero.Init first pins each parameter's partition on its own (partition_parameters.py),
+        # then ZeRO-3 copies them into the flat buffer above; the freed pinned blocks stay
+        # in PyTorch's caching host allocator, each rounded up to a power of two.
+        host["per-tensor pinned partitions (zero.Init)"] = sum(
+            pinned_bytes(p * math.ceil(numel / world_size))
+            for numel in shape.weight_numels()
+            if numel > b.persistence  # small ones persist on the GPU
+        )
+    else:
+        gpu["params"] = p * shard
+    if choice.offload == "nvme":
+        host["grads (pinned)"] = pinned_bytes(g * tshard)
+    elif choice.offload_optimizer:
+        host["grads (pinned)"] = pinned_bytes(g * tshard)
+        host["fp32 master + Adam m,v"] = (master + adam) * tshard
+        # CPU Adam steps on fp32 gradients, pinned per sub-group.
+        groups, last = divmod(tshard, SUB_GROUP_SIZE)
+        host["fp32 grads (pinned)"] = groups * pinned_bytes(4 * SUB_GROUP_SIZE) + pinned_bytes(4 * last)
+    else:
+        gpu["grads"] = g * tshard
+        gpu["fp32 master + Adam m,v"] = (master + adam) * tshard
+    host["process"] = int(RANK_HOST_GIB * GIB)
+    gpu["persistent small params"] = p * shape.num_layers * shape.small_params_per_layer
+    # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
+    if lora:
+        # The frozen weight is gathered again for the backward (for its input's gradient), but has none.
+        gpu["gathered largest layer"] = p * shape.largest_layer_params
+        gpu["prefetch + reduce buckets"] = p * b.prefetch + g * min(b.reduce, trainable)
+    else:
+        gpu["gathered largest layer + its grad"] = (p + g) * shape.largest_layer_params
+        gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
+
+    tokens = choice.micro_batch_size * seq_len
+    act = p
+    kernels: Kernels = "liger" if fused_loss == "liger" else "hf"
+    full_layer = layer_activation_bytes_per_token(shape, act, kernels) * tokens
+    if lora:
+        full_layer += lora.activation_bytes_per_token(shape, act) * tokens
+    # A fused loss keeps the final norm's output itself (chunked) or not at all (Liger computes
+    # its gradients in the forward): either way no LM head keeps a second copy.
+    final_norm = (
+        norm_bytes_per_token(shape.hidden_size, act, weighted_output_saved=fused_loss != "liger", kernels=kernels)
+        * tokens
+    )
+    logits = loss_bytes(shape, act, tokens, fused_loss)
+    if choice.gradient_checkpointing:
+        kept = shape.num_layers * act * shape.hidden_size * tokens
+        # During a layer's recomputation its full activations and the incoming gradient
+        # exist, but by then the logits are freed: the larger of the two moments counts.
+        recompute = full_layer + 2 * act * shape.hidden_size * tokens
+        train_terms = {
+            "activations (checkpoints)": kept + final_norm,
+            "logits + loss": max(logits, recompute),
+        }
+    else:
+        train_terms = {
+            "activations (all layers)": shape.num_layers * full_layer + final_norm,
+            "logits + loss": logits,
+        }
+    # Optimizer step: activations are gone; the fp32 gradient of one sub-group is made
+    # and torch's multi-tensor AdamW needs about one more such buffer of temporaries.
+    step = 0 if choice.offload_optimizer else 2 * 4 * min(tshard, SUB_GROUP_SIZE)
+    if sum(train_terms.values()) >= step:
+        gpu.update(train_terms)
+        phase = "forward/backward"
+    else:
+        gpu["optimizer step temporaries"] = step
+        phase = "optimizer step"
+    nvme = nvme_disk_terms(p, shard, tshard, master=master) if choice.offload == "nvme" else {}
+    return Estimate(
+        choice=choice,
+        gpu_terms=gpu,
+        peak_phase=phase,
+        host_terms_per_rank=host,
+        nvme_terms_per_rank=nvme,
+        trainable_params=trainable,
+        method="lora" if lora else "full",
+    )
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What of ``train.lora`` decides memory: the rank, the adapted modules, dropout."""
+
+    r: int
+    target_modules: tuple[str, ...]
+    dropout: float
+
+    @classmethod
+    def from_spec(cls, spec: LoraSpec) -> LoraShape:
+        return cls(spec.r, tuple(spec.target_modules), spec.dropout)
+
+    @staticmethod
+    def module_sizes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each Llama/Qwen projection, by its HF module name."""
+        h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def adapted(self, shape: ModelShape) -> dict[str, tuple[int, int]]:
+        sizes = self.module_sizes(shape)
+        return {name: sizes[name] for name in self.target_modules if name in sizes}
+
+    def adapter_params(self, shape: ModelShape) -> int:
+        """A (r × in) and B (out × r) on every adapted projection of every layer."""
+        return shape.num_layers * sum(self.r * (fan_in + fan_out) for fan_in, fan_out in self.adapted(shape).values())
+
+    def activation_bytes_per_token(self, shape: ModelShape, act: int) -> int:
+        """What the adapters add to a layer's saved activations, per token.
+
+        Each adapter keeps its own dropout output (the input of A: ``in`` wide) and the
+        dropout mask (one byte a value), and A's output (``r`` wide, B's input). Without
+        dropout A reads the layer's input, which the base linear keeps already.
+        """
+        total = 0
+        for fan_in, _ in self.adapted(shape).values():
+            if self.dropout > 0:
+                total += (act + 1) * fan_in
+            total += act * self.r
+        return total
+
+
+def nvme_host_buffers(shape: ModelShape, p: int, tshard: int) -> dict[str, int]:
+    """Pinned host buffers DeepSpeed swaps NVMe data through (dsconfig.nvme_sections sets their sizes)."""
+    param_buffer = max(NVME_MIN_BUFFER_ELEMENTS, shape.largest_layer_params)
+    return {
+        "NVMe parameter swap buffers (pinned)": pinned_bytes(NVME_PARAM_BUFFERS * param_buffer * p),
+        # One fp32 sub-group per buffer: the master weights, m and v being stepped.
+        "NVMe optimizer swap buffers (pinned)": pinned_bytes(
+            NVME_OPTIMIZER_BUFFERS * min(NVME_SUB_GROUP_SIZE, tshard) * 4
+        ),
+    }
+
+
+def nvme_disk_terms(p: int, shard: int, tshard: int, *, master: int) -> dict[str, int]:
+    """Bytes one rank keeps on the NVMe disk: its parameter partition and its optimizer states."""
+    return {
+        "params": p * shard,
+        "fp32 master + Adam m,v": (master + 8) * tshard,
+        "fp32 grads": 4 * tshard,
+    }
+
+
+@dataclass(frozen=True)
+class NvmeReading:
+    """What preflight found at ``zero.nvme_path``: the smallest free space and bandwidths over the nodes."""
+
+    free_bytes: int
+    read_bytes_per_s: float
+    write_bytes_per_s: float
+
+
+def nvme_io_per_step(est: Estimate, *, accumulation: int) -> tuple[int, int]:
+    """(bytes read, bytes written) on one rank's NVMe share per optimizer step.
+
+    Every micro-step reads the parameter partition for the forward, again for the
+    backward, and once more for the recomputation under gradient checkpointing (direct
+    I/O: no page cache in between). The optimizer step reads the fp32 master, Adam m, v
+    and gradients of every sub-group and writes them back; full fine-tuning writes the
+    updated bf16 partition too (LoRA's base never changes). The gradients are written
+    once, during the backward.
+    """
+    disk = est.nvme_terms_per_rank
+    if not disk:
+        return 0, 0
+    passes = 3 if est.choice.gradient_checkpointing else 2
+    states, grads = disk["fp32 master + Adam m,v"], disk["fp32 grads"]
+    read = accumulation * passes * disk["params"] + states + grads
+    written = states + grads + (disk["params"] if est.method == "full" else 0)
+    return read, written
+
+
+def nvme_step_seconds(est: Estimate, reading: NvmeReading, *, ranks_per_node: int, accumulation: int) -> float:
+    """Time one optimizer step spends in NVMe I/O on a node whose ranks share the disk.
+
+    A floor under the step time, not a prediction of all of it: DeepSpeed overlaps some
+    I/O with compute, and compute adds its own time. Where the I/O is far larger than
+    the compute (the usual case for NVMe offload), the step takes about this long.
+    """
+    read, written = nvme_io_per_step(est, accumulation=accumulation)
+    return ranks_per_node * (read / reading.read_bytes_per_s + written / reading.write_bytes_per_s)

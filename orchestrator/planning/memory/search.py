@@ -1,0 +1,492 @@
+"""The search over the choices a job leaves open: the fastest fitting micro-batch, checkpointing and offload.
+
+``plan_memory`` tries every allowed choice from the fastest offload level down, keeps those that fit
+the hardware with the stated margins, and ranks them by the expected time per token; a job that fits
+nowhere gets the smallest node count that would, and (for full fine-tuning) the LoRA plan that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ...spec.job import LoraSpec
+from ..dsconfig import (
+    Resolved,
+)
+from ..fusedloss import FusedLoss
+from ..shape import ModelShape
+from .estimate import (
+    ALLOCATOR_MARGIN,
+    GIB,
+    HOST_RESERVE_FRACTION,
+    NON_TORCH_GPU_GIB,
+    Buckets,
+    Choice,
+    Estimate,
+    LoraShape,
+    NvmeReading,
+    Offload,
+    Precision,
+    estimate,
+    nvme_io_per_step,
+    nvme_step_seconds,
+)
+
+# Candidate micro-batches when ``train.micro_batch_size: auto``: every one from 1 up to
+# the first that does not fit (the peak only grows with the micro-batch, so no larger
+# one would), at most MAX_AUTO_MICRO_BATCH. The fit test's margins, not the step between
+# candidates, absorb the estimate's error (within 1.6 % of every 2-GPU measurement). On
+# a 140 GiB H200 the largest fitting micro-batch for Qwen3-8B at seq 4096 is 6, not a
+# power of two: 6,678 tokens/s/GPU against 6,399 at micro 4, one device call
+# (benchmarks/results/h200x2-20261130, run 7). Without the logits (a fused loss) it is
+# about 29: the search must reach well past the 64 it stopped at before.
+# The ceiling only binds where no memory figure does (a CPU job with host RAM unknown):
+# at 1024 rows the fixed per-micro-step cost below is under 0.1 % of the work at seq 4096.
+MAX_AUTO_MICRO_BATCH = 1024
+
+
+AUTO_MICRO_BATCHES = tuple(range(1, MAX_AUTO_MICRO_BATCH + 1))
+
+
+# Expected-throughput model used only to rank candidates that fit (never to predict
+# tokens/s): time per token ∝ k + C / T, with k = 4/3 under gradient checkpointing
+# (the forward is run twice: 4 passes of work instead of 3) and C the fixed cost of
+# each micro-step, mostly ZeRO-3's two all-gathers and one reduce-scatter of all
+# parameters, which do not grow with the micro-batch. From the outside raw-engine figures
+# (design notes §5, loop not in this repo; checkpointing on: 5,806 tokens/s at micro 2,
+# 6,511 at micro 4, seq 4096):
+# (4/3 + C/8192) / (4/3 + C/16384) = 6511/5806 gives C ≈ 3,000 tokens.
+# Checked later through the trainer: micro 5 and 6 ran 1.020× and 1.044× micro 4's
+# throughput, where this model says 1.025× and 1.042×; with Liger, micro 12 and 20 ran
+# 1.044× and 1.070× micro 6's (8,662 and 8,881 against 8,300; DESIGN §5), where it says
+# 1.044× and 1.062×.
+MICRO_STEP_COST_TOKENS = 3000.0
+
+
+# Without checkpointing the same model with C = 3,000 is far too kind: it ranks micro 1
+# without checkpointing 2 % behind micro 2 with it, measured 30 % behind (4,050 against
+# 5,806 tokens/s/GPU, DESIGN §5), and with Liger micro 2 without it 6 % ahead of micro 6
+# with it, measured 17 % behind (6,850 against 8,300). Fitting k = 1 to those two pairs
+# gives C = 5,900 and 6,300 tokens: its own fixed cost, measured twice, rounded.
+MICRO_STEP_COST_TOKENS_NO_CHECKPOINTING = 6000.0
+
+
+RECOMPUTE_FACTOR = 4.0 / 3.0
+
+
+# nodes tried when looking for the smallest number that would fit
+MAX_NODES_SEARCHED = 512
+
+
+OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "optimizer", "all")  # fastest first
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the nodes offer: GPUs (slots) per node, memory per GPU and host RAM per node (GiB)."""
+
+    slots_per_node: tuple[int, ...]
+    gpu_mem_gib: float | None  # None: not known (accelerator cpu)
+    host_mem_gib: float | None  # None: not known; offload cannot be checked
+    # What preflight measured at zero.nvme_path (None: not measured, or not usable there).
+    nvme: NvmeReading | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.slots_per_node)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    fits: bool
+    estimate: Estimate
+    precision: Precision
+    seq_len: int
+    world_size: int
+    gradient_accumulation_steps: int
+    buckets: Buckets
+    hardware: Hardware
+    host_per_node: tuple[int, ...]  # bytes, per node in hostfile order
+    accelerator: str = "gpu"  # "cpu": the per-"GPU" terms live in host RAM too
+    reason: str = ""  # why it does not fit (empty when it fits)
+    min_nodes: int | None = None  # nodes like these that would fit, when it does not
+    notes: tuple[str, ...] = field(default=())
+    candidates: tuple[tuple[Choice, bool, str], ...] = field(default=())  # (choice, fits, why not)
+    fused_loss: FusedLoss = "none"  # train.fused_loss, resolved (orchestrator/planning/fusedloss.py)
+    nvme_path: str | None = None  # zero.nvme_path, for a plan that offloads to NVMe
+    # Full fine-tuning that does not fit: the LoRA plan (the job's train.lora) that would.
+    lora_alternative: MemoryPlan | None = None
+    lora: LoraShape | None = None  # train.method: lora
+    largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
+
+    @property
+    def nvme_step_s(self) -> float | None:
+        """Expected NVMe I/O time per optimizer step, from preflight's bandwidths (None: not measured)."""
+        if self.choice.offload != "nvme" or self.hardware.nvme is None:
+            return None
+        return nvme_step_seconds(
+            self.estimate,
+            self.hardware.nvme,
+            ranks_per_node=max(self.hardware.slots_per_node),
+            accumulation=self.gradient_accumulation_steps,
+        )
+
+    @property
+    def choice(self) -> Choice:
+        return self.estimate.choice
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.choice.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def resolved(self) -> Resolved:
+        """The ``dsconfig.Resolved`` of this plan: what the DeepSpeed config is built from."""
+        return Resolved(
+            micro_batch_size=self.choice.micro_batch_size,
+            gradient_checkpointing=self.choice.gradient_checkpointing,
+            offload_optimizer=self.choice.offload_optimizer,
+            offload_param=self.choice.offload_param,
+            reduce_bucket_size=self.buckets.reduce,
+            prefetch_bucket_size=self.buckets.prefetch,
+            param_persistence_threshold=self.buckets.persistence,
+            precision=self.precision,
+            fused_loss=self.fused_loss,
+            nvme_path=self.nvme_path if self.choice.offload == "nvme" else None,
+            nvme_buffer_elements=self.largest_layer_params if self.choice.offload == "nvme" else None,
+        )
+
+    def to_dict(self, ds_config: dict[str, Any] | None) -> dict[str, Any]:
+        """The ``dzctl plan --json`` object (DESIGN §2)."""
+        est = self.estimate
+        hw = self.hardware
+        return {
+            "fits": self.fits,
+            "per_gpu_gib": gib(est.gpu_peak),
+            "per_gpu_required_gib": gib(est.gpu_required),
+            "host_per_node_gib": gib(max(self.host_per_node)),
+            "breakdown": {
+                "gpu": {k: gib(v) for k, v in est.gpu_terms.items()},
+                "gpu_peak_phase": est.peak_phase,
+                # what the "logits + loss" term is made of
+                "fused_loss": self.fused_loss,
+                "allocator_margin_fraction": ALLOCATOR_MARGIN,
+                "non_torch_gpu_gib": NON_TORCH_GPU_GIB,
+                "host_per_rank": {k: gib(v) for k, v in est.host_terms_per_rank.items()},
+                "host_reserve_fraction": HOST_RESERVE_FRACTION,
+            },
+            "micro_batch_size": self.choice.micro_batch_size,
+            "gradient_checkpointing": self.choice.gradient_checkpointing,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "train_batch_size": self.train_batch_size,
+            "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
+            "offload": self.choice.offload,  # none | optimizer | all (host RAM) | nvme
+            "method": self.estimate.method,
+            "trainable_params": self.estimate.trainable_params,
+            "nvme": self._nvme_dict(),
+            "lora_alternative": self._alternative_dict(),
+            "precision": self.precision,
+            "fused_loss": self.fused_loss,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+            "gpu_mem_gib": hw.gpu_mem_gib,
+            "host_mem_gib": hw.host_mem_gib,
+            "host_per_node_gib_each": [gib(x) for x in self.host_per_node],
+            "reason": self.reason or None,
+            "min_nodes": self.min_nodes,
+            "notes": list(self.notes),
+            "ds_config": ds_config,
+        }
+
+    def _nvme_dict(self) -> dict[str, Any] | None:
+        est = self.estimate
+        if self.choice.offload != "nvme":
+            return None
+        reading = self.hardware.nvme
+        read, written = nvme_io_per_step(est, accumulation=self.gradient_accumulation_steps)
+        ranks = max(self.hardware.slots_per_node)
+        return {
+            "path": self.nvme_path,
+            "per_rank_gib": {k: gib(v) for k, v in est.nvme_terms_per_rank.items()},
+            "per_node_gib": gib(ranks * est.nvme_per_rank),
+            "free_gib": gib(reading.free_bytes) if reading else None,
+            "read_gib_per_step_per_node": gib(ranks * read),
+            "written_gib_per_step_per_node": gib(ranks * written),
+            "read_mib_s": round(reading.read_bytes_per_s / 2**20, 1) if reading else None,
+            "write_mib_s": round(reading.write_bytes_per_s / 2**20, 1) if reading else None,
+            "expected_io_s_per_step": round(self.nvme_step_s, 2) if self.nvme_step_s is not None else None,
+        }
+
+    def _alternative_dict(self) -> dict[str, Any] | None:
+        alt = self.lora_alternative
+        if alt is None or alt.lora is None:
+            return None
+        c = alt.choice
+        return {
+            "set": lora_sets(alt.lora),
+            "r": alt.lora.r,
+            "target_modules": list(alt.lora.target_modules),
+            "trainable_params": alt.estimate.trainable_params,
+            "micro_batch_size": c.micro_batch_size,
+            "gradient_checkpointing": c.gradient_checkpointing,
+            "offload": c.offload,
+            "per_gpu_required_gib": gib(alt.estimate.gpu_required),
+            "host_per_node_gib": gib(max(alt.host_per_node)),
+        }
+
+
+def lora_sets(lora: LoraShape) -> str:
+    """The ``--set`` that turns a job into this LoRA configuration (defaults left out)."""
+    default = LoraSpec()
+    sets = ["train.method=lora"]
+    if lora.r != default.r:
+        sets.append(f"train.lora.r={lora.r}")
+    if list(lora.target_modules) != default.target_modules:
+        sets.append(f"train.lora.target_modules=[{','.join(lora.target_modules)}]")
+    return " ".join(f"--set {item}" for item in sets)
+
+
+def gib(value: float) -> float:
+    return round(value / GIB, 2)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What the spec leaves to the planner: ``None`` = auto."""
+
+    micro_batch_size: int | None = None
+    gradient_checkpointing: bool | None = None
+    offload: Offload | None = None
+    nvme: bool = False  # the job names zero.nvme_path: auto may offload there, last
+
+    def offloads(self, accelerator: str, nvme_usable: bool = False) -> tuple[Offload, ...]:
+        if self.offload is not None:
+            return (self.offload,)
+        # Offloading to host RAM from a CPU rank moves nothing anywhere.
+        if accelerator == "cpu":
+            return ("none",)
+        # NVMe only after host RAM, and only where preflight found the path usable.
+        return OFFLOAD_ORDER + (("nvme",) if self.nvme and nvme_usable else ())
+
+    def checkpointing(self) -> tuple[bool, ...]:
+        return (self.gradient_checkpointing,) if self.gradient_checkpointing is not None else (True, False)
+
+    def micro_batches(self) -> tuple[int, ...]:
+        return (self.micro_batch_size,) if self.micro_batch_size is not None else AUTO_MICRO_BATCHES
+
+    def choices(self, offload: Offload) -> list[Choice]:
+        return [Choice(m, c, offload) for c in self.checkpointing() for m in self.micro_batches()]
+
+    def least_choices(self, offload: Offload) -> list[Choice]:
+        """The smallest allowed micro-batch per checkpointing setting: if none of these fits, nothing does."""
+        return [Choice(min(self.micro_batches()), c, offload) for c in self.checkpointing()]
+
+
+def expected_cost_per_token(choice: Choice, seq_len: int) -> float:
+    """Relative time per token (lower is faster); ranks candidates of one offload level."""
+    if choice.gradient_checkpointing:
+        k, fixed = RECOMPUTE_FACTOR, MICRO_STEP_COST_TOKENS
+    else:
+        k, fixed = 1.0, MICRO_STEP_COST_TOKENS_NO_CHECKPOINTING
+    return k + fixed / (choice.micro_batch_size * seq_len)
+
+
+def plan_memory(
+    shape: ModelShape,
+    *,
+    allowed: Allowed,
+    seq_len: int,
+    precision: Precision,
+    gradient_accumulation_steps: int,
+    hardware: Hardware,
+    accelerator: str = "gpu",
+    fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
+    nvme_path: str | None = None,
+) -> MemoryPlan:
+    """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
+
+    Order: no offload, then optimizer offload, then full offload (each step costs
+    far more throughput than any micro-batch or checkpointing choice: 27× measured for
+    full offload, DESIGN §5); within one offload level the candidate with the lowest
+    ``expected_cost_per_token``, i.e. the largest micro-batch that fits, with
+    checkpointing off only where that wins. The user's gradient_accumulation_steps is
+    kept as written, so train_batch_size = micro × accumulation × world.
+    """
+    buckets = Buckets.for_hidden(shape.hidden_size)
+    tried: list[tuple[Choice, bool, str]] = []
+    best: tuple[float, Estimate] | None = None
+    for offload in allowed.offloads(accelerator, hardware.nvme is not None):
+        too_big: set[bool] = set()  # checkpointing settings whose micro-batch search has ended
+        for choice in allowed.choices(offload):
+            if choice.gradient_checkpointing in too_big:
+                continue
+            est = estimate(
+                shape,
+                choice,
+                seq_len=seq_len,
+                precision=precision,
+                world_size=hardware.world_size,
+                fused_loss=fused_loss,
+                lora=lora,
+            )
+            ok, why = _fits(est, hardware, accelerator)
+            tried.append((choice, ok, why))
+            if ok:
+                cost = expected_cost_per_token(choice, seq_len)
+                if best is None or cost < best[0]:
+                    best = (cost, est)
+            else:
+                # The peak only grows with the micro-batch: no larger one fits either.
+                too_big.add(choice.gradient_checkpointing)
+        if best is not None:
+            break
+    common = dict(
+        precision=precision,
+        seq_len=seq_len,
+        world_size=hardware.world_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        buckets=buckets,
+        hardware=hardware,
+        candidates=tuple(tried),
+        notes=_notes(hardware, accelerator),
+        accelerator=accelerator,
+        fused_loss=fused_loss,
+        lora=lora,
+        nvme_path=nvme_path,
+        largest_layer_params=shape.largest_layer_params,
+    )
+    if best is not None:
+        est = best[1]
+        return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware, accelerator), **common)
+    # Nothing fits: report the least demanding candidate, and how many such nodes would do.
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora)
+    reason = _fits(least, hardware, accelerator)[1]
+    return MemoryPlan(
+        fits=False,
+        estimate=least,
+        host_per_node=_host_per_node(least, hardware, accelerator),
+        reason=reason,
+        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora),
+        **common,
+    )
+
+
+def _host_per_node(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[int, ...]:
+    per_rank = est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0)
+    return tuple(slots * per_rank for slots in hardware.slots_per_node)
+
+
+def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, str]:
+    if accelerator == "cpu":
+        # CPU ranks keep everything in host RAM: the "GPU" terms live there too.
+        if hardware.host_mem_gib is None:
+            return True, ""
+        need = max(hardware.slots_per_node) * (est.gpu_peak + est.host_per_rank)
+        have = hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)
+        return (need <= have, "" if need <= have else f"host RAM: needs {gib(need)} GiB per node, has {gib(have)}")
+    reasons = []
+    if hardware.gpu_mem_gib is not None and est.gpu_required > hardware.gpu_mem_gib * GIB:
+        reasons.append(
+            f"GPU: needs {gib(est.gpu_required)} GiB per GPU (peak {gib(est.gpu_peak)} GiB "
+            f"+ {ALLOCATOR_MARGIN:.0%} allocator margin + {NON_TORCH_GPU_GIB} GiB CUDA/NCCL), "
+            f"has {hardware.gpu_mem_gib} GiB"
+        )
+    if hardware.host_mem_gib is not None:
+        need = max(hardware.slots_per_node) * est.host_per_rank
+        have = hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)
+        if need > have:
+            reasons.append(
+                f"host RAM: needs {gib(need)} GiB per node ({max(hardware.slots_per_node)} ranks × "
+                f"{gib(est.host_per_rank)} GiB), has {gib(have)} GiB usable of {hardware.host_mem_gib} "
+                f"({HOST_RESERVE_FRACTION:.0%} left to the OS)"
+            )
+    if est.nvme_terms_per_rank and hardware.nvme is not None:
+        need = max(hardware.slots_per_node) * est.nvme_per_rank
+        if need > hardware.nvme.free_bytes:
+            reasons.append(
+                f"NVMe: needs {gib(need)} GiB per node at zero.nvme_path, has {gib(hardware.nvme.free_bytes)} GiB free"
+            )
+    return not reasons, "; ".join(reasons)
+
+
+def _least_demanding(
+    shape: ModelShape,
+    allowed: Allowed,
+    seq_len: int,
+    precision: Precision,
+    hardware: Hardware,
+    accelerator: str,
+    fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
+) -> Estimate:
+    """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
+
+    def overshoot(est: Estimate) -> float:
+        over = 0.0
+        if hardware.gpu_mem_gib is not None and accelerator != "cpu":
+            over = max(over, est.gpu_required / (hardware.gpu_mem_gib * GIB))
+        if hardware.host_mem_gib is not None:
+            per_node = max(hardware.slots_per_node) * (
+                est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0)
+            )
+            over = max(over, per_node / (hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)))
+        return over
+
+    options = [
+        estimate(
+            shape,
+            choice,
+            seq_len=seq_len,
+            precision=precision,
+            world_size=hardware.world_size,
+            fused_loss=fused_loss,
+            lora=lora,
+        )
+        for offload in allowed.offloads(accelerator, hardware.nvme is not None)
+        for choice in allowed.least_choices(offload)
+    ]
+    return min(options, key=overshoot)
+
+
+def smallest_fitting_nodes(
+    shape: ModelShape,
+    allowed: Allowed,
+    seq_len: int,
+    precision: Precision,
+    hardware: Hardware,
+    accelerator: str,
+    fused_loss: FusedLoss = "none",
+    lora: LoraShape | None = None,
+) -> int | None:
+    """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
+
+    ``None`` when no number of nodes helps: what does not shrink with more GPUs
+    (activations, logits, the gathered layer) is already too large.
+    """
+    per_node = min(hardware.slots_per_node)
+    for count in range(len(hardware.slots_per_node) + 1, MAX_NODES_SEARCHED + 1):
+        bigger = replace(hardware, slots_per_node=(per_node,) * count)
+        for offload in allowed.offloads(accelerator, hardware.nvme is not None):
+            for choice in allowed.least_choices(offload):
+                est = estimate(
+                    shape,
+                    choice,
+                    seq_len=seq_len,
+                    precision=precision,
+                    world_size=bigger.world_size,
+                    fused_loss=fused_loss,
+                    lora=lora,
+                )
+                if _fits(est, bigger, accelerator)[0]:
+                    return count
+    return None
+
+
+def _notes(hardware: Hardware, accelerator: str) -> tuple[str, ...]:
+    notes = []
+    if hardware.host_mem_gib is None:
+        notes.append("host RAM not known: offloaded states were not checked against it (give --host-mem-gib)")
+    if accelerator != "cpu" and hardware.gpu_mem_gib is None:
+        notes.append("GPU memory not known: nothing was checked against it (give --gpu-mem-gib)")
+    return tuple(notes)

@@ -1,0 +1,455 @@
+"""The job spec (schema v1): pydantic models, loading, ``--set`` overrides.
+
+Every key is validated at load time; an error names the file, the line and the
+key path, and suggests the closest known key for a typo. Later issues extend
+the schema with new keys; existing keys are never renamed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ..errors import SpecError
+from .yamlsource import KeyPath, LineMap, load_yaml_with_lines
+
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Docker container names allow [a-zA-Z0-9][a-zA-Z0-9_.-]; job names become part of them.
+JOB_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+
+
+class _Strict(BaseModel):
+    # extra="forbid": an unknown key is an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    name_or_path: str = Field(min_length=1)
+    init: Literal["pretrained", "random"] = "pretrained"
+    # Hugging Face config values: the whole architecture for a random-init model
+    # (with ``model_type``), or overrides of the named model's config.
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+
+
+# The benchmark source: random full-length rows made on the nodes (orchestrator/train/data.py),
+# so there is no file to ship and nothing to pack.
+SYNTHETIC_DATA = "synthetic:random"
+
+
+class DataSpec(_Strict):
+    path: str = Field(min_length=1)
+    format: Literal["alpaca", "messages"] = "alpaca"
+    on_error: Literal["fail", "skip"] = "fail"
+
+
+# Attention and MLP projections of the Llama/Qwen/Mistral families (HF module names).
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(_Strict):
+    """``train.lora``: the adapters of ``train.method: lora`` (PEFT's LoraConfig)."""
+
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    # 0.05: the value PEFT's and most published Llama/Qwen LoRA recipes use.
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1)
+    # Also write merged full weights (base + scaled B·A) in ``model/`` beside the adapter.
+    merge: bool = False
+
+
+class TrainSpec(_Strict):
+    # full: every weight trains. lora: the base weights stay frozen (bf16, partitioned)
+    # and only low-rank adapters train; see orchestrator/train/lora.py.
+    method: Literal["full", "lora"] = "full"
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    max_seq_len: int = Field(2048, ge=8)
+    micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"  # noqa: UP007
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int = Field(-1, ge=-1)  # -1: run ``epochs`` over the data
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    precision: Literal["bf16", "fp16", "fp32", "auto"] = "auto"
+    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    save_steps: int = Field(500, ge=1)
+    # false: no checkpoints and no final weights (throughput runs through dzctl launch;
+    # the trainer's --no-save). A 72B model's end-of-run save alone takes minutes and ~1 TB.
+    save: bool = True
+    save_total_limit: int | None = Field(2, ge=1)
+    logging_steps: int = Field(1, ge=1)
+    # HF Trainer integrations, written on rank 0's node under output_dir (see trackers.py).
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    # None: ``<launch.remote_dir>/output/<name>`` on every node, stable across
+    # relaunches so ``resume: auto`` finds the checkpoints.
+    output_dir: str | None = None
+    # Whether the nodes' output dirs are one shared filesystem or each node's own
+    # disk. auto: `dzctl launch` finds out (a probe file written on node 0, looked
+    # for on the others); a plain trainer run takes shared. node-local makes every
+    # node keep the checkpoint metadata its own ranks need to resume.
+    output_storage: Literal["auto", "shared", "node-local"] = "auto"
+    resume: str = Field("auto", min_length=1)  # auto | never | PATH
+    seed: int = 42
+    # Several examples per row of max_seq_len (orchestrator/train/packing.py).
+    # auto: on for GPU jobs, off on CPU and for synthetic:random.
+    packing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    # The loss without the full logits (orchestrator/planning/fusedloss.py): auto = liger on GPUs, chunked on CPU.
+    fused_loss: Literal["auto", "liger", "chunked", "none"] = "auto"
+
+    @field_validator("gradient_checkpointing", "packing", mode="before")
+    @classmethod
+    def _no_strings_for_bools(cls, value: Any) -> Any:
+        # pydantic would take "yes"/"1" as True; a spec should say true/false/auto.
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("must be true, false or auto")
+        return value
+
+
+class ZeroSpec(_Strict):
+    stage: Literal[3] = 3
+    # nvme: ZeRO-Infinity, parameters and optimizer states swapped to ``nvme_path``.
+    offload: Literal["none", "optimizer", "all", "nvme", "auto"] = "auto"
+    # A folder on a fast local disk of every node (the same path on each), for
+    # ``offload: nvme``; with ``offload: auto`` it lets the planner try NVMe last.
+    nvme_path: str | None = None
+    config: str | None = None  # path to a user ds_config.json (may hold "auto")
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("nvme_path")
+    @classmethod
+    def _nvme_path_is_absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError("must be an absolute path on the nodes")
+        return value
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> ZeroSpec:
+        if self.offload == "nvme" and self.nvme_path is None:
+            raise ValueError("offload: nvme needs zero.nvme_path (a folder on a local NVMe disk of every node)")
+        return self
+
+
+def _env_text(value: Any) -> Any:
+    # YAML reads `PORT: 80` as an int; the environment only holds text.
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def _env_value_fits_env_file(value: str) -> str:
+    if "\n" in value or "\0" in value:
+        raise ValueError("the value holds a newline or NUL, which env files cannot carry")
+    return value
+
+
+def _check_mount(value: str) -> str:
+    parse_mount(value)
+    return value
+
+
+def _check_env_name(name: str) -> str:
+    if not ENV_NAME.match(name):
+        raise ValueError("not a valid variable name: use letters, digits and _, not starting with a digit")
+    return name
+
+
+EnvName = Annotated[str, AfterValidator(_check_env_name)]
+EnvValue = Annotated[str, BeforeValidator(_env_text), AfterValidator(_env_value_fits_env_file)]
+Mount = Annotated[str, AfterValidator(_check_mount)]
+
+
+class LaunchSpec(_Strict):
+    master_addr: str = Field("auto", min_length=1)
+    master_port: int = Field(29500, ge=1024, le=65535)
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    env_file: str | None = None
+    mounts: list[Mount] = Field(default_factory=list)
+    # /var/tmp survives reboots (FHS) and is writable by any user. ``{host}`` is
+    # replaced by the node's host name, for nodes that share one filesystem.
+    remote_dir: str = "/var/tmp/dzctl"
+    python: str = "python3"  # the interpreter for ``runtime: process``
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_keys_are_text(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key in value:
+                if not isinstance(key, str):
+                    # YAML 1.1 reads unquoted ON/YES/NO/1 as booleans or numbers.
+                    raise ValueError(f"variable name {key!r} was read by YAML as {type(key).__name__}: quote it")
+        return value
+
+    @field_validator("remote_dir")
+    @classmethod
+    def _remote_dir_is_absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path on the nodes")
+        return value
+
+
+class SlurmSpec(_Strict):
+    """Where ``dzctl launch --slurm`` asks Slurm for nodes (each key also a ``launch --slurm`` option)."""
+
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,-]+$")
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int | None = Field(None, ge=1)  # default: the GPU job's slots (1 for a CPU job)
+    time: str | None = Field(None, pattern=r"^[0-9:-]+$")  # sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS
+    account: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    # pyxis: the trainer runs in the job's image through `srun --container-image` (enroot), no docker.
+    container: Literal["none", "pyxis"] = "none"
+    # Each GPU's memory for the memory planner: the job is planned before Slurm picks the nodes.
+    gpu_mem_gib: float | None = Field(None, gt=0)
+    # The Python with dzctl that the allocation's own steps run (node wrapper, preflight); it must be
+    # at this path on every node (a shared filesystem). Default: the interpreter that submits.
+    python: str | None = None
+
+
+class JobSpec(_Strict):
+    version: Literal[1] = 1
+    name: str = Field(pattern=JOB_NAME)
+    # A docker reference (name[:tag][@digest], or an image ID) starts with a letter or
+    # digit. One starting with "-" would sit where `docker run` still reads options
+    # and turn into one (`--privileged`), so it is refused here.
+    image: str = Field("dzctl:latest", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+    runtime: Literal["docker", "process"] = "docker"
+    accelerator: Literal["gpu", "cpu"] = "gpu"
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    zero: ZeroSpec = Field(default_factory=ZeroSpec)
+    launch: LaunchSpec = Field(default_factory=LaunchSpec)
+    slurm: SlurmSpec | None = None  # launch through Slurm (sbatch) instead of over SSH to a hostfile
+
+
+def parse_mount(mount: str) -> tuple[str, str, str]:
+    """``HOST:CONTAINER[:ro|rw]`` → (host, container, mode); ValueError if malformed."""
+    parts = mount.split(":")
+    if len(parts) == 2:
+        parts.append("rw")
+    if len(parts) != 3 or parts[2] not in ("ro", "rw"):
+        raise ValueError(f"{mount!r}: expected HOST_PATH:CONTAINER_PATH[:ro|rw]")
+    if not (parts[0].startswith("/") and parts[1].startswith("/")):
+        raise ValueError(f"{mount!r}: both paths must be absolute")
+    return parts[0], parts[1], parts[2]
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    """A validated spec plus where it came from, for located errors later on."""
+
+    spec: JobSpec
+    path: Path
+    lines: LineMap
+    overrides: tuple[str, ...] = ()
+
+    def where(self, dotted: str) -> str:
+        """``file:line`` of a key (or ``--set`` when an override set it)."""
+        for item in self.overrides:
+            if item.split("=", 1)[0] == dotted:
+                return f"--set {shown_override(item)}"
+        return self.lines.where(tuple(dotted.split(".")))
+
+    def resolve_local(self, value: str) -> Path:
+        """A path from the spec, relative to the job file's folder."""
+        candidate = Path(value).expanduser()
+        return candidate if candidate.is_absolute() else self.path.parent / candidate
+
+
+def load_job(
+    path: str | Path,
+    overrides: tuple[str, ...] | list[str] = (),
+    runtime: str | None = None,
+) -> LoadedJob:
+    """Load, override (``--set``, ``--runtime``) and validate a job file."""
+    path = Path(path)
+    data, lines = load_yaml_with_lines(path)
+    if data is None:
+        raise SpecError(f"{path}:1: the job file is empty", fix="see jobs/tiny-cpu.yaml for an example")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: a job file is a mapping of keys (name:, model:, ...), not a {type(data).__name__}")
+    overrides = tuple(overrides)
+    for item in overrides:
+        apply_override(data, item)
+    if runtime is not None:
+        overrides += (f"runtime={runtime}",)
+        data["runtime"] = runtime
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_validation(exc, lines, overrides)) from None
+    loaded = LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
+    _check_fused_loss(loaded)
+    return loaded
+
+
+def _check_fused_loss(loaded: LoadedJob) -> None:
+    # Liger's kernels are Triton: a CPU job asking for them would fail on every rank at its first step.
+    if loaded.spec.train.fused_loss == "liger" and loaded.spec.accelerator == "cpu":
+        raise SpecError(
+            f"{loaded.where('train.fused_loss')}: train.fused_loss: liger needs CUDA GPUs (Triton kernels), "
+            "and this job has accelerator: cpu",
+            fix="set train.fused_loss: chunked (or auto, which is chunked on CPU)",
+        )
+
+
+def shown_override(item: str) -> str:
+    """``--set`` text as it may appear in a message: control characters escaped, so a
+    newline in a value cannot split one error into lines that look like others, and
+    the value of a secret-named key replaced by ``***``."""
+    dotted, sep, _ = item.partition("=")
+    if sep and is_secret_name(dotted.rsplit(".", 1)[-1]):
+        item = f"{dotted}=***"
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in item)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``KEY=VALUE`` (dotted key, YAML-typed value) to raw spec data."""
+    if "=" not in item:
+        raise SpecError(f"--set {shown_override(item)}: expected KEY=VALUE, e.g. --set train.max_steps=10")
+    dotted, raw = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise SpecError(f"--set {shown_override(item)}: empty key segment in {dotted!r}")
+    for key in keys:
+        # Plain names only: a space or newline in a key would make it match no spec key
+        # and put it, unescaped, into the messages that name it.
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", key):
+            raise SpecError(f"--set {shown_override(item)}: {key!r} is not a key name (letters, digits, _ and -)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. "a: b: c"): take the text as it is
+    node: Any = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise SpecError(f"--set {shown_override(item)}: {where} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[str, ...]) -> str:
+    messages = []
+    for error in exc.errors():
+        loc = _clean_loc(error["loc"])
+        dotted = ".".join(str(p) for p in loc)
+        if error["type"] == "extra_forbidden":
+            text = f"{dotted}: unknown key"
+            suggestion = _did_you_mean(loc)
+            known = ", ".join(_known_keys(loc[:-1]))
+            text += f"; did you mean {suggestion}?" if suggestion else f"; known keys: {known}"
+        elif error["type"] == "missing":
+            text = f"{dotted}: required key is missing"
+        else:
+            got = error.get("input")
+            shown = "" if isinstance(got, (dict, list)) or _is_secret_loc(loc) else f" (got {got!r})"
+            text = f"{dotted}: {_short(error['msg'])}{shown}"
+        source = _override_for(dotted, overrides)
+        prefix = f"--set {shown_override(source)}" if source else lines.where(loc)
+        messages.append(f"{prefix}: {text}")
+    # One line per problem, in file order, so each names its own line.
+    return "\n".join(dict.fromkeys(messages))
+
+
+def _is_secret_loc(loc: KeyPath) -> bool:
+    # launch.env.<NAME>: a rejected secret must not be echoed in the error that rejects it.
+    return len(loc) >= 3 and loc[:2] == ("launch", "env") and is_secret_name(str(loc[2]))
+
+
+def _override_for(dotted: str, overrides: tuple[str, ...]) -> str | None:
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if dotted == key or dotted.startswith(key + "."):
+            return item
+    return None
+
+
+def _short(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> KeyPath:
+    # pydantic adds union branch names ("int", "literal['auto']") to locations.
+    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "bool", "str", "float"))))
+
+
+def _model_at(path: KeyPath) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = JobSpec
+    for key in path:
+        if model is None or key not in model.model_fields:
+            return None
+        model = _as_model(model.model_fields[key].annotation)
+    return model
+
+
+def _as_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) is not None:
+        for arg in get_args(annotation):
+            found = _as_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _known_keys(parent: KeyPath) -> list[str]:
+    model = _model_at(parent)
+    return list(model.model_fields) if model else []
+
+
+def _did_you_mean(loc: KeyPath) -> str | None:
+    candidates = _known_keys(loc[:-1])
+    match = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def is_secret_name(name: str) -> bool:
+    """Env names whose values must never be printed or put in argv."""
+    return bool(SECRET_NAME.search(name))
+
+
+def read_env_file(path: Path, display: str) -> dict[str, str]:
+    """Parse a ``KEY=VALUE`` env file (docker's format: no quoting, ``#`` comments)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(
+            f"{display}: launch.env_file not found: {path}", fix="create it or remove launch.env_file"
+        ) from None
+    values: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        if not sep or not ENV_NAME.match(name):
+            raise SpecError(f"{path}:{number}: expected NAME=VALUE (NAME of letters, digits, _)")
+        values[name] = value
+    return values

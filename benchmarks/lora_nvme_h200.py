@@ -162,13 +162,14 @@ def host_mem_gib() -> float:
 
 def plan(spec: dict, workdir: Path, nproc: int, gpu_gib: float | None, nvme_reading=None):
     """The planner on this job, with what launch's preflight would read here."""
+    from orchestrator.planning.inputs import read_inputs
     from orchestrator.planning.memory.fromjob import plan_for_job
     from orchestrator.spec.job import load_job
 
     job_file = workdir / "job.yaml"
     job_file.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     job = load_job(job_file)
-    return plan_for_job(job, [nproc], gpu_mem_gib=gpu_gib, host_mem_gib=host_mem_gib(), nvme=nvme_reading)
+    return plan_for_job(read_inputs(job), [nproc], gpu_mem_gib=gpu_gib, host_mem_gib=host_mem_gib(), nvme=nvme_reading)
 
 
 def probe_disk(path: Path):

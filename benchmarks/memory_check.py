@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from orchestrator.planning.inputs import read_inputs  # noqa: E402
 from orchestrator.planning.memory.estimate import GIB  # noqa: E402
 from orchestrator.planning.memory.fromjob import plan_for_job  # noqa: E402
 from orchestrator.planning.shape import CATALOGUE  # noqa: E402
@@ -84,7 +85,7 @@ def run_case(case: str, gpu_mem_gib: float, host_mem_gib: float) -> dict:
         path = Path(tmp) / "job.yaml"
         path.write_text(job_yaml(case), encoding="utf-8")
         job = load_job(path)
-        plan, ds = plan_for_job(job, [1], gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib)
+        plan, ds = plan_for_job(read_inputs(job), [1], gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib)
     _, seq, micro, ckpt, _, _ = CASES[case]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
     deepspeed.init_distributed(dist_backend="nccl")

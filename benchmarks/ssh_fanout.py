@@ -111,7 +111,7 @@ def python_startup_s() -> float:
     runs = []
     for _ in range(3):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import orchestrator.ssh"], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-c", "import orchestrator.transport.pool"], check=True, cwd=REPO)
         runs.append(time.perf_counter() - started)
     return statistics.median(runs)
 
@@ -166,7 +166,7 @@ def main() -> None:
             f"| {label} | {n} | {seq_s:.3f} | {par_s:.3f} | {pdsh_s:.3f} | {matched_s:.3f} | "
             f"{seq_s / matched_s:.2f}× | {par_s / matched_s:.2f}× |"
         )
-    print(f"\nPython start-up + `import orchestrator.ssh` (a CLI run adds this once): {python_startup_s():.3f} s")
+    print(f"\nPython start-up + `import orchestrator.transport.pool` (once per CLI run): {python_startup_s():.3f} s")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,7 @@ def job_spec(name: str, model: str, seq: int, steps: int, accelerator: str, logg
 
 def plan_and_write(name: str, spec: dict, workdir: Path, nproc: int, gpu_mem_gib: float | None) -> dict:
     """Plan like ``dzctl launch``: resolve every auto, write job.yaml and ds_config.json."""
+    from orchestrator.planning.inputs import read_inputs
     from orchestrator.planning.memory.estimate import GIB
     from orchestrator.planning.memory.fromjob import plan_for_job
     from orchestrator.spec.job import load_job
@@ -148,7 +149,7 @@ def plan_and_write(name: str, spec: dict, workdir: Path, nproc: int, gpu_mem_gib
     draft = workdir / "draft.yaml"
     draft.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     job = load_job(draft)
-    plan, ds_config = plan_for_job(job, [nproc], gpu_mem_gib=gpu_mem_gib, host_mem_gib=None)
+    plan, ds_config = plan_for_job(read_inputs(job), [nproc], gpu_mem_gib=gpu_mem_gib, host_mem_gib=None)
     if not plan.fits:
         raise SystemExit(f"{name}: the planner says it does not fit: {plan.reason}")
     resolved = plan.resolved()

@@ -160,16 +160,20 @@ def test_launch_writes_the_resolved_loss_into_the_job_file(job, sets, capability
     """What `dzctl launch` does after preflight: plan memory, then write each node's job.yaml."""
     from orchestrator.backends.jobfiles import job_files
     from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.inputs import read_inputs
     from orchestrator.planning.launchplan import make_plan
+    from orchestrator.planning.resolve import resolve_job
     from orchestrator.spec.hostfile import Node
 
     loaded = load_job(ROOT / "jobs" / job, sets)
+    inputs = read_inputs(loaded)
     nodes = [Node("node-a", (0, 1))]
     gpu = 143771 / 1024 if loaded.spec.accelerator == "gpu" else None
-    resolved, ds_config = memory_choice(loaded, nodes, gpu, 256.0, capability)
-    assert resolved.fused_loss == expected
+    memory, ds_config = memory_choice(inputs, nodes, gpu, 256.0, capability)
+    assert memory.fused_loss == expected
     plan = make_plan(loaded.spec, nodes, "job-1")
-    files = {f.name: f for f in job_files(loaded, plan, plan.nodes[0], nodes, ds_config, resolved, {})}
+    resolved = resolve_job(inputs, nodes, memory, ds_config, plan, None)
+    files = {f.name: f for f in job_files(resolved, plan.nodes[0])}
     written = yaml.safe_load(files["job.yaml"].content)
     assert written["train"]["fused_loss"] == expected
     # The trainer reading that file keeps it as it is: nothing is left to resolve.

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.planning.inputs import read_inputs
 from orchestrator.planning.memory.estimate import (
     ALLOCATOR_MARGIN,
     GIB,
@@ -377,7 +378,7 @@ def test_estimate_is_monotone(micro, seq, world, ckpt, precision):
 
 def test_plan_for_job_builds_the_ds_config():
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml", ["train.fused_loss=none"])
-    plan, ds = plan_for_job(job, [2], gpu_mem_gib=H200_GIB, host_mem_gib=None)
+    plan, ds = plan_for_job(read_inputs(job), [2], gpu_mem_gib=H200_GIB, host_mem_gib=None)
     assert plan.fits and ds is not None and plan.fused_loss == "none"
     assert ds["train_micro_batch_size_per_gpu"] == 6
     assert ds["train_batch_size"] == 6 * 8 * 2
@@ -388,11 +389,11 @@ def test_plan_for_job_builds_the_ds_config():
 
 def test_plan_for_job_resolves_fused_loss_auto_to_liger_on_gpus():
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml")  # fused_loss not given: auto
-    plan, ds = plan_for_job(job, [2], gpu_mem_gib=H200_GIB, host_mem_gib=None)
+    plan, ds = plan_for_job(read_inputs(job), [2], gpu_mem_gib=H200_GIB, host_mem_gib=None)
     assert plan.fused_loss == "liger" and plan.resolved().fused_loss == "liger"
     assert ds["train_micro_batch_size_per_gpu"] == 29 and ds["train_batch_size"] == 29 * 8 * 2
     chunked, _ = plan_for_job(
-        load_job(REPO / "jobs" / "qwen3-8b.yaml", ["train.fused_loss=chunked"]),
+        read_inputs(load_job(REPO / "jobs" / "qwen3-8b.yaml", ["train.fused_loss=chunked"])),
         [2],
         gpu_mem_gib=H200_GIB,
         host_mem_gib=None,
@@ -409,28 +410,28 @@ def test_precision_auto_follows_the_gpus_compute_capability():
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml")  # precision: auto
     # 9.0 is the recorded H200's; None: preflight could not read it (assume a current GPU).
     for capability, precision in ((9.0, "bf16"), (8.0, "bf16"), (None, "bf16"), (7.0, "fp16"), (7.5, "fp16")):
-        resolved, ds = memory_choice(job, nodes, H200_GIB, None, capability)
+        resolved, ds = memory_choice(read_inputs(job), nodes, H200_GIB, None, capability)
         assert resolved.precision == precision, capability
         assert ds["bf16"]["enabled"] is (precision == "bf16") and ds["fp16"]["enabled"] is (precision == "fp16")
     # A job that insists on bf16 is refused before launch, naming the key and the fix.
     forced = load_job(REPO / "jobs" / "qwen3-8b.yaml", ["train.precision=bf16"])
     with pytest.raises(SpecError) as info:
-        memory_choice(forced, nodes, H200_GIB, None, 7.0)
+        memory_choice(read_inputs(forced), nodes, H200_GIB, None, 7.0)
     assert "--set train.precision=bf16" in str(info.value) and "compute capability 7" in str(info.value)
     assert "train.precision: auto" in info.value.fix
-    assert memory_choice(forced, nodes, H200_GIB, None, 9.0)[0].precision == "bf16"
+    assert memory_choice(read_inputs(forced), nodes, H200_GIB, None, 9.0)[0].precision == "bf16"
 
 
 def test_spec_offload_and_user_config_are_respected(tmp_path):
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml", ["zero.offload=all", "train.micro_batch_size=2"])
-    plan, ds = plan_for_job(job, [2], gpu_mem_gib=H200_GIB, host_mem_gib=512)
+    plan, ds = plan_for_job(read_inputs(job), [2], gpu_mem_gib=H200_GIB, host_mem_gib=512)
     assert plan.choice.offload == "all" and plan.choice.micro_batch_size == 2
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     # A hand-written ds_config that offloads decides, even with zero.offload: auto.
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
     job = load_job(REPO / "jobs" / "qwen3-8b.yaml", [f"zero.config={user}"])
-    plan, _ = plan_for_job(job, [2], gpu_mem_gib=H200_GIB, host_mem_gib=512)
+    plan, _ = plan_for_job(read_inputs(job), [2], gpu_mem_gib=H200_GIB, host_mem_gib=512)
     assert plan.choice.offload == "optimizer"
 
 
@@ -438,7 +439,7 @@ def test_gpu_memory_is_required_for_gpu_jobs():
     from orchestrator.errors import InputError
 
     with pytest.raises(InputError, match="GPU's memory") as info:
-        plan_for_job(load_job(REPO / "jobs" / "qwen3-8b.yaml"), [2], gpu_mem_gib=None, host_mem_gib=None)
+        plan_for_job(read_inputs(load_job(REPO / "jobs" / "qwen3-8b.yaml")), [2], gpu_mem_gib=None, host_mem_gib=None)
     assert "--gpu-mem-gib" in info.value.fix
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.planning import dsconfig
+from orchestrator.planning.inputs import read_inputs
 from orchestrator.planning.memory.estimate import (
     GIB,
     Choice,
@@ -134,14 +135,14 @@ def test_cli_qwen72b_full_refusal_names_the_lora_fix_with_numbers():
 
 def test_lora_is_never_chosen_for_a_full_job():
     job = load_job(ROOT / "jobs" / "qwen72b.yaml")
-    plan, ds_config = plan_for_job(job, SEED_NODES, gpu_mem_gib=40, host_mem_gib=256)
+    plan, ds_config = plan_for_job(read_inputs(job), SEED_NODES, gpu_mem_gib=40, host_mem_gib=256)
     assert not plan.fits and ds_config is None and plan.lora is None
     assert plan.lora_alternative is not None and plan.lora_alternative.fits
     with pytest.raises(DoesNotFit) as info:
         require_fit(plan, "2 nodes")
     assert "train.method=lora" in info.value.fix
     # Where full fine-tuning fits, no alternative is offered.
-    fits, _ = plan_for_job(job, SEED_NODES * 4, gpu_mem_gib=80, host_mem_gib=2048)
+    fits, _ = plan_for_job(read_inputs(job), SEED_NODES * 4, gpu_mem_gib=80, host_mem_gib=2048)
     assert fits.fits and fits.lora_alternative is None
 
 
@@ -221,7 +222,7 @@ def test_nvme_plan_writes_the_zero_infinity_config(tmp_path):
     job_file = tmp_path / "job.yaml"
     job_file.write_text((ROOT / "jobs" / "qwen3-8b.yaml").read_text())
     job = load_job(job_file, ["zero.offload=nvme", "zero.nvme_path=/mnt/nvme/dz"])
-    plan, ds = plan_for_job(job, [2], gpu_mem_gib=140, host_mem_gib=512, nvme=FAST_DISK)
+    plan, ds = plan_for_job(read_inputs(job), [2], gpu_mem_gib=140, host_mem_gib=512, nvme=FAST_DISK)
     assert plan.fits and plan.choice.offload == "nvme"
     zero = ds["zero_optimization"]
     assert zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"

@@ -78,21 +78,27 @@ RESOLVED = [("gpu", "auto", True), ("cpu", "auto", False), ("cpu", True, True), 
 
 @pytest.mark.parametrize(("accelerator", "packing_value", "expected"), RESOLVED)
 def test_launch_writes_the_resolved_packing_into_the_job_file(tmp_path, accelerator, packing_value, expected):
-    from orchestrator.backends.jobfiles import resolved_spec
+    from orchestrator.backends.jobfiles import node_spec
+    from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.inputs import read_inputs
     from orchestrator.planning.launchplan import make_plan
+    from orchestrator.planning.resolve import resolve_job
     from orchestrator.spec.hostfile import load_nodes
     from orchestrator.spec.job import load_job
 
     (tmp_path / "d.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
     (tmp_path / "job.yaml").write_text(
-        f"name: j\naccelerator: {accelerator}\nruntime: process\nmodel: {{name_or_path: m}}\n"
+        f"name: j\naccelerator: {accelerator}\nruntime: process\nmodel: {{name_or_path: Qwen3-8B}}\n"
         f"data: {{path: d.jsonl}}\ntrain: {{packing: {str(packing_value).lower()}}}\n",
         encoding="utf-8",
     )
-    job = load_job(tmp_path / "job.yaml")
-    plan = make_plan(job.spec, load_nodes(tmp_path / "hosts.txt"), "j-20260101-0000-abcd")
-    assert resolved_spec(job, plan, plan.nodes[0], None)["train"]["packing"] is expected
+    inputs = read_inputs(load_job(tmp_path / "job.yaml"))
+    nodes = load_nodes(tmp_path / "hosts.txt")
+    memory, ds_config = memory_choice(inputs, nodes, 140.0 if accelerator == "gpu" else None, None)
+    plan = make_plan(inputs.spec, nodes, "j-20260101-0000-abcd")
+    resolved = resolve_job(inputs, nodes, memory, ds_config, plan, None)
+    assert node_spec(resolved, plan.nodes[0])["train"]["packing"] is expected
 
 
 def test_status_shows_useful_tokens_and_padding_efficiency():

@@ -22,10 +22,13 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.backends.jobfiles import SECRET_MODE, job_files, secret_env
+from orchestrator.backends.jobfiles import SECRET_MODE, job_files
+from orchestrator.backends.launcher import memory_choice
+from orchestrator.planning.inputs import read_inputs
 from orchestrator.planning.launchplan import MASK, make_plan
+from orchestrator.planning.resolve import resolve_job
 from orchestrator.spec.hostfile import load_nodes
-from orchestrator.spec.job import load_job, read_env_file
+from orchestrator.spec.job import load_job
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_JOB = yaml.safe_load((REPO / "jobs" / "tiny-cpu.yaml").read_text(encoding="utf-8"))
@@ -87,14 +90,10 @@ def write_job(folder: Path, env: dict[str, str], env_file: dict[str, str] | None
 
 
 def plan_for(job_path: Path, overrides: tuple[str, ...] = ()):
-    job = load_job(job_path, overrides)
-    env_values = (
-        read_env_file(job.resolve_local(job.spec.launch.env_file), "env_file") if job.spec.launch.env_file else {}
-    )
-    secrets = secret_env(job, env_values)
+    inputs = read_inputs(load_job(job_path, overrides))
     nodes = load_nodes(job_path.parent / "hosts.txt")
-    plan = make_plan(job.spec, nodes, "sec-20260101-0000-abcd", secret_names=tuple(secrets))
-    return job, nodes, plan, secrets
+    plan = make_plan(inputs.spec, nodes, "sec-20260101-0000-abcd", secret_names=inputs.secret_names)
+    return inputs, nodes, plan, inputs.secrets
 
 
 def _main():
@@ -150,11 +149,11 @@ def test_secrets_stay_out_of_the_plan_argv_and_dry_run(tmp_path_factory, token, 
 def test_job_files_hold_secrets_only_in_the_0600_env_file(tmp_path_factory, token, from_file):
     folder = tmp_path_factory.mktemp("sec")
     job_path = write_job(folder, {"HF_TOKEN": token, "HF_HOME": "/data/hf"}, {"S3_CREDENTIALS": from_file})
-    job, nodes, plan, secrets = plan_for(job_path)
+    inputs, nodes, plan, secrets = plan_for(job_path)
+    memory, ds_config = memory_choice(inputs, nodes, 140.0, None)
+    resolved = resolve_job(inputs, nodes, memory, ds_config, plan, None)
     for node in plan.nodes:
-        files = {
-            f.name: f for f in job_files(job, plan, node, nodes, {"zero_optimization": {"stage": 3}}, None, secrets)
-        }
+        files = {f.name: f for f in job_files(resolved, node)}
         env_file = files.pop("env")
         assert env_file.mode == SECRET_MODE == 0o600
         text = env_file.content.decode("utf-8")

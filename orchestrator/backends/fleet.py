@@ -23,7 +23,6 @@ class SshFleet:
     def start(self, prepared, progress) -> Started:
         started = start_job(
             prepared.job,
-            prepared.plan,
             prepared.files,
             self.pool,
             self.store,

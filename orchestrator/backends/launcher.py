@@ -1,7 +1,10 @@
 """The launch sequence as a library: ``prepare`` (check and plan), then ``execute`` (through a backend).
 
-    prepared = prepare(job, nodes, pool, LaunchOptions())   # preflight, memory plan, collective, plan, files
+    prepared = prepare(job, nodes, pool, LaunchOptions())   # local inputs, preflight, memory plan, collective, plan
     started = execute(prepared, SshFleet(pool, store))      # record, upload, start one launcher per node
+
+``prepare`` resolves the job once: ``prepared.job`` is a ``ResolvedJob`` (planning/resolve.py)
+with every ``auto`` decided, and the job files, the record and the backends read only that.
 
 Nothing here prints or exits: progress goes to a ``Progress`` sink (the CLI's
 renders it on stderr; the default is silent), failures are the project's
@@ -20,15 +23,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import RuntimeFailure, SpecError
-from ..planning.dsconfig import BF16_MIN_COMPUTE_CAPABILITY, Resolved, bf16_supported_by
+from ..planning.dsconfig import BF16_MIN_COMPUTE_CAPABILITY, bf16_supported_by
+from ..planning.inputs import JobInputs, job_secrets, read_inputs
 from ..planning.launchplan import LaunchPlan, make_plan
 from ..planning.memory.fromjob import nvme_reading, plan_for_job
 from ..planning.memory.refusal import nodes_description, require_fit
+from ..planning.memory.search import MemoryPlan
+from ..planning.resolve import ResolvedJob, resolve_job
 from ..spec.hostfile import Node
-from ..spec.job import LoadedJob, read_env_file
+from ..spec.job import LoadedJob
 from ..transport.pool import HostPool
-from .jobfiles import JobFile, job_files, resolved_spec, secret_env
-from .localcheck import check_local_inputs
+from .jobfiles import JobFile, job_files, node_spec
 from .start import Phases, Started, probe_output_storage
 
 if TYPE_CHECKING:
@@ -71,18 +76,26 @@ class LaunchOptions:
 
 @dataclass
 class Prepared:
-    """Everything ``execute`` needs, checked: the plan, each node's files, what preflight measured."""
+    """Everything ``execute`` needs, checked: the resolved job, each node's files, what preflight measured."""
 
-    job: LoadedJob
-    nodes: list[Node]
-    plan: LaunchPlan
-    files: dict[int, list[JobFile]]
+    job: ResolvedJob
+    files: dict[int, list[JobFile]]  # by node rank
     spec_record: dict  # the secret-free resolved spec kept in the job record
-    preflight: object  # the PreflightReport
+    preflight: object  # the PreflightReport (None for Slurm: preflight runs inside the allocation)
     options: LaunchOptions
     phases: Phases = field(default_factory=Phases)
     started_at: float = field(default_factory=time.monotonic)
     batch_script: str | None = None  # Slurm: the sbatch script made from this plan
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return self.job.plan
+
+
+def prepared_from(job: ResolvedJob, files_for: list, **rest) -> Prepared:
+    """The files of each node in ``files_for`` and the record's spec, all made from the one resolved job."""
+    files = {n.node_rank: job_files(job, n) for n in files_for}
+    return Prepared(job=job, files=files, spec_record=node_spec(job, job.plan.nodes[0]), **rest)
 
 
 class Backend(Protocol):
@@ -97,29 +110,22 @@ def new_job_id(name: str, now: float | None = None) -> str:
     return f"{name}-{stamp}-{pysecrets.token_hex(2)}"
 
 
-def env_file_values(job: LoadedJob) -> dict[str, str]:
-    """``launch.env_file`` read locally (all its names are secret: that file is for secrets)."""
-    if not job.spec.launch.env_file:
-        return {}
-    return read_env_file(job.resolve_local(job.spec.launch.env_file), job.where("launch.env_file"))
-
-
 def dry_run(job: LoadedJob, nodes: list[Node], job_id: str | None = None) -> LaunchPlan:
     """The plan as it would run, touching no host (``launch --dry-run``)."""
-    secrets = secret_env(job, env_file_values(job))
+    secrets = job_secrets(job)
     return make_plan(job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=tuple(secrets))
 
 
 def memory_choice(
-    job: LoadedJob,
+    inputs: JobInputs,
     nodes: list[Node],
     gpu_mem_gib,
     host_mem_gib,
     compute_capability: float | None = None,
     nvme: dict[str, dict] | None = None,
     progress: Progress | None = None,
-) -> tuple[Resolved, dict]:
-    """The planner's configuration for these nodes, or DoesNotFit with the numbers.
+) -> tuple[MemoryPlan, dict]:
+    """The planner's configuration for these nodes and its DeepSpeed config, or DoesNotFit with the numbers.
 
     ``compute_capability`` (the lowest preflight found) decides ``precision: auto``:
     bf16 from Ampere on, fp16 before. A job that insists on bf16 there is refused
@@ -127,8 +133,9 @@ def memory_choice(
     """
     bf16 = bf16_supported_by(compute_capability)
     slots = [n.num_slots for n in nodes]
+    job = inputs.job
     plan, ds_config = plan_for_job(
-        job,
+        inputs,
         slots,
         gpu_mem_gib=gpu_mem_gib,
         host_mem_gib=host_mem_gib,
@@ -148,7 +155,7 @@ def memory_choice(
             fix="set train.precision: auto (fp16 on these GPUs), or remove bf16 from zero.config/zero.overrides",
         )
     require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
-    return plan.resolved(), ds_config
+    return plan, ds_config
 
 
 def prepare(
@@ -162,10 +169,11 @@ def prepare(
 ) -> Prepared:
     """Check every node and plan the job on them; nothing is started, nothing recorded.
 
-    Preflight (and, for the docker runtime, ship a missing image and check again),
+    The job's local inputs (read once: no host is touched when one is wrong), preflight
+    (and, for the docker runtime, ship a missing image and check again),
     the memory plan from what the nodes have, the collective check across every
     rank, the launch plan with the master address and interfaces preflight found,
-    the output storage probe, then each node's job files.
+    the output storage probe; then the resolved job and each node's files made from it.
     Raises ``InputError`` for bad input (no host touched), ``RuntimeFailure`` when
     a node fails a check (with the report handed to ``progress.preflight`` first).
     """
@@ -174,19 +182,18 @@ def prepare(
 
     options = options or LaunchOptions()
     progress = progress or Silent()
-    secrets = secret_env(job, env_file_values(job))
+    inputs = read_inputs(job)  # input errors here: no host touched, no job recorded
     job_id = job_id or new_job_id(job.spec.name)
-    check_local_inputs(job)  # input errors here: no host touched, no job recorded
     phases = Phases()
     started_at = time.monotonic()
     with phases.timed("preflight"), progress.busy(f"preflight: checking {len(nodes)} node(s)"):
-        report = run_preflight(job, nodes, pool)
+        report = run_preflight(job, nodes, pool, inputs=inputs)
     if job.spec.runtime == "docker" and options.distribute and _image_missing(report):
         # The one failure launch repairs itself: ship the image, then check again.
         with phases.timed("distribute"):
             _distribute(job, nodes, pool, progress)
         with phases.timed("preflight"):
-            report = run_preflight(job, nodes, pool)
+            report = run_preflight(job, nodes, pool, inputs=inputs)
     progress.preflight(report, final=False)
     require_preflight(report)
     # The probe container's start and imports: container time, not dzctl's own (see the benchmark).
@@ -195,7 +202,7 @@ def prepare(
     host_mem = _min_reading(report, "host_mem_gib")
     capability = _min_reading(report, "gpu_compute_capability")
     with phases.timed("memory_plan"):
-        resolved, ds_config = memory_choice(job, nodes, gpu_mem, host_mem, capability, report.nvme, progress)
+        memory, ds_config = memory_choice(inputs, nodes, gpu_mem, host_mem, capability, report.nvme, progress)
     # Last before the start, as the model would load: every rank of every node in one all-reduce.
     with phases.timed("collective"):
         collective_unless_skipped(
@@ -214,7 +221,7 @@ def prepare(
         job.spec,
         nodes,
         job_id,
-        secret_names=tuple(secrets),
+        secret_names=inputs.secret_names,
         master_addr=report.master_addr,
         interfaces=report.interfaces,
         infiniband_hosts=frozenset(h for h, devices in report.infiniband.items() if devices),
@@ -223,18 +230,8 @@ def prepare(
     if storage == "auto":
         with phases.timed("storage_probe"):
             storage = probe_output_storage(plan, pool)
-    files = {n.node_rank: job_files(job, plan, n, nodes, ds_config, resolved, secrets, storage) for n in plan.nodes}
-    return Prepared(
-        job=job,
-        nodes=nodes,
-        plan=plan,
-        files=files,
-        spec_record=resolved_spec(job, plan, plan.nodes[0], resolved, storage),
-        preflight=report,
-        options=options,
-        phases=phases,
-        started_at=started_at,
-    )
+    resolved = resolve_job(inputs, nodes, memory, ds_config, plan, storage)
+    return prepared_from(resolved, plan.nodes, preflight=report, options=options, phases=phases, started_at=started_at)
 
 
 def execute(prepared: Prepared, backend: Backend, progress: Progress | None = None) -> Started:
@@ -292,8 +289,13 @@ def slurm_request(job: LoadedJob, **given) -> SlurmRequest:
     return SlurmRequest(**{k: v for k, v in chosen.items() if v is not None})
 
 
-def slurm_plan(job: LoadedJob, request: SlurmRequest, job_id: str | None = None) -> tuple[LaunchPlan, str]:
-    """The plan for the nodes Slurm will allot and its batch script; pure (``launch --slurm --dry-run``)."""
+def slurm_plan(
+    job: LoadedJob, request: SlurmRequest, job_id: str | None = None, *, secret_names: tuple[str, ...] | None = None
+) -> tuple[LaunchPlan, str]:
+    """The plan for the nodes Slurm will allot and its batch script; pure (``launch --slurm --dry-run``).
+
+    ``secret_names``: those of the job's ``JobInputs`` when it was read already (else read here).
+    """
     from .slurm.script import IFNAME_VAR, MASTER, batch_script, planned_nodes, uses_preflight
 
     if "{host}" in job.spec.launch.remote_dir or "{host}" in (job.spec.train.output_dir or ""):
@@ -302,7 +304,8 @@ def slurm_plan(job: LoadedJob, request: SlurmRequest, job_id: str | None = None)
             "'{host}' cannot be filled in before Slurm picks the nodes",
             fix="set launch.remote_dir (and train.output_dir) to a shared path without {host}",
         )
-    secrets = secret_env(job, env_file_values(job))
+    if secret_names is None:
+        secret_names = tuple(job_secrets(job))
     nodes = planned_nodes(job.spec, request)
     # Each node's interface is what preflight finds inside the allocation: a variable the node expands.
     interfaces = {n.host: "$" + IFNAME_VAR for n in nodes} if uses_preflight(request) else None
@@ -310,7 +313,7 @@ def slurm_plan(job: LoadedJob, request: SlurmRequest, job_id: str | None = None)
         job.spec,
         nodes,
         job_id or new_job_id(job.spec.name),
-        secret_names=tuple(secrets),
+        secret_names=secret_names,
         master_addr=MASTER,
         interfaces=interfaces,
     )
@@ -323,8 +326,8 @@ def prepare_slurm(job: LoadedJob, request: SlurmRequest, *, job_id: str | None =
     The nodes are not known yet, so the memory planner takes the GPU memory from
     ``slurm.gpu_mem_gib``; the checks that need the nodes run inside the allocation.
     """
-    check_local_inputs(job)
-    plan, script = slurm_plan(job, request, job_id)
+    inputs = read_inputs(job)
+    plan, script = slurm_plan(job, request, job_id, secret_names=inputs.secret_names)
     nodes = planned_nodes_of(plan)
     gpu_mem = job.spec.slurm.gpu_mem_gib if job.spec.slurm else None
     if job.spec.accelerator == "gpu" and gpu_mem is None:
@@ -333,20 +336,10 @@ def prepare_slurm(job: LoadedJob, request: SlurmRequest, *, job_id: str | None =
             "and Slurm has not picked the nodes yet",
             fix="set slurm.gpu_mem_gib (e.g. 140 for H200, 80 for H100/A100-80GB), or --set slurm.gpu_mem_gib=N",
         )
-    resolved, ds_config = memory_choice(job, nodes, gpu_mem, None)
-    secrets = secret_env(job, env_file_values(job))
+    memory, ds_config = memory_choice(inputs, nodes, gpu_mem, None)
     # One job dir for all nodes (shared), so the output dir is one too: checkpoints are written once.
-    files = {0: job_files(job, plan, plan.nodes[0], nodes, ds_config, resolved, secrets, "shared")}
-    return Prepared(
-        job=job,
-        nodes=nodes,
-        plan=plan,
-        files=files,
-        spec_record=resolved_spec(job, plan, plan.nodes[0], resolved, "shared"),
-        preflight=None,
-        options=LaunchOptions(),
-        batch_script=script,
-    )
+    resolved = resolve_job(inputs, nodes, memory, ds_config, plan, "shared")
+    return prepared_from(resolved, plan.nodes[:1], preflight=None, options=LaunchOptions(), batch_script=script)
 
 
 def planned_nodes_of(plan: LaunchPlan) -> list[Node]:

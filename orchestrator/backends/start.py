@@ -23,10 +23,11 @@ from ..errors import InputError, RemoteError, RuntimeFailure
 from ..observe.hosts import gather_status, stop_nodes
 from ..observe.store import JobStore
 from ..planning.launchplan import LaunchPlan
+from ..planning.resolve import ResolvedJob
 from ..runtimes.control import list_job_containers_argv
 from ..spec.job import LoadedJob
 from ..transport.pool import HostPool
-from .jobfiles import JobFile, shipped_data
+from .jobfiles import JobFile
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120  # `docker run --detach` returns once the container started; image load is not part of it
@@ -84,8 +85,9 @@ def refuse_or_replace_running(job: LoadedJob, store: JobStore, pool: HostPool, *
                 pool.connection(host).run(["docker", "rm", "--force", *names], timeout=120)
 
 
-def upload(job: LoadedJob, plan: LaunchPlan, files: dict[int, list[JobFile]], pool: HostPool) -> None:
-    data_file = shipped_data(job)  # checked before any host was touched (localcheck.check_data_file)
+def upload(job: ResolvedJob, files: dict[int, list[JobFile]], pool: HostPool) -> None:
+    plan = job.plan
+    data_file = job.inputs.data_file  # checked before any host was touched (inputs.check_data_file)
 
     def one(conn) -> None:
         node = next(n for n in plan.nodes if n.host == conn.host)
@@ -147,8 +149,7 @@ def start_nodes(plan: LaunchPlan, pool: HostPool) -> tuple[list[int], dict[int, 
 
 
 def start_job(
-    job: LoadedJob,
-    plan: LaunchPlan,
+    job: ResolvedJob,
     files: dict[int, list[JobFile]],
     pool: HostPool,
     store: JobStore,
@@ -162,8 +163,9 @@ def start_job(
     """``busy(what)``: a context around the long steps for a caller that shows progress (none by default)."""
     phases = phases or Phases()
     busy = busy or (lambda what: contextlib.nullcontext())
+    plan = job.plan
     with phases.timed("refuse_running"):
-        refuse_or_replace_running(job, store, pool, replace=replace)
+        refuse_or_replace_running(job.job, store, pool, replace=replace)
     hosts = [n.host for n in plan.nodes]
     store.add(
         job_id=plan.job_id,
@@ -177,7 +179,7 @@ def start_job(
     )
     try:
         with phases.timed("upload"), busy(f"uploading the job files to {len(plan.nodes)} node(s)"):
-            upload(job, plan, files, pool)
+            upload(job, files, pool)
     except Exception:
         store.set_state(plan.job_id, "failed", reason="upload failed")
         raise

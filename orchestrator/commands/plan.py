@@ -6,11 +6,12 @@ import json
 
 import click
 
+from ..planning.inputs import read_inputs
 from ..planning.memory.estimate import ALLOCATOR_MARGIN, GIB, HOST_RESERVE_FRACTION, NON_TORCH_GPU_GIB
 from ..planning.memory.fromjob import plan_for_job
 from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
-from ..planning.shape import ModelShape, shape_for_job
+from ..planning.shape import ModelShape
 from ..spec.job import JobSpec
 from .options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options
 
@@ -42,9 +43,10 @@ def plan_command(
     """
     job = load_job_from_options(job_file, overrides, runtime)
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
-    shape = shape_for_job(job)
+    inputs = read_inputs(job)
+    shape = inputs.shape
     slots = [n.num_slots for n in nodes]
-    plan, ds_config = plan_for_job(job, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib, shape=shape)
+    plan, ds_config = plan_for_job(inputs, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib)
     if as_json:
         out = plan.to_dict(ds_config)
         out["model"] = shape.to_dict()

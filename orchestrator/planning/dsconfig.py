@@ -22,8 +22,9 @@ API (stable; callers rely on it):
 - ``merge(base, overrides) -> dict``: deep merge, overrides win.
 - ``fill_auto(ds, resolved, world_size, spec) -> dict``: replace ``"auto"`` values
   with the resolved ones, for a config that must be concrete before launch.
-- ``job_ds_config(loaded_job, resolved, world_size) -> dict``: the one entry point:
-  ``zero.config`` (if given) or the generated config, plus ``zero.overrides``.
+- ``ds_config_for(spec, user_config, resolved, world_size) -> dict``: the one entry point:
+  ``zero.config`` (if given, already read) or the generated config, plus ``zero.overrides``;
+  ``job_ds_config(loaded_job, resolved, world_size)`` reads ``zero.config`` first.
 """
 
 from __future__ import annotations
@@ -313,12 +314,16 @@ def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: Job
     return out
 
 
-def job_ds_config(loaded: LoadedJob, resolved: Resolved, world_size: int) -> dict[str, Any]:
+def ds_config_for(spec: JobSpec, user: dict[str, Any] | None, resolved: Resolved, world_size: int) -> dict[str, Any]:
     """The job's config: the user's ``zero.config`` (autos filled) or the generated one; overrides last."""
-    user = load_user_config(loaded)
     if user is None:
-        return build_ds_config(loaded.spec, resolved, world_size)
-    return merge(fill_auto(user, resolved, world_size, loaded.spec), loaded.spec.zero.overrides)
+        return build_ds_config(spec, resolved, world_size)
+    return merge(fill_auto(user, resolved, world_size, spec), spec.zero.overrides)
+
+
+def job_ds_config(loaded: LoadedJob, resolved: Resolved, world_size: int) -> dict[str, Any]:
+    """``ds_config_for`` with ``zero.config`` read from the job's folder (a trainer started on a job file by hand)."""
+    return ds_config_for(loaded.spec, load_user_config(loaded), resolved, world_size)
 
 
 def precision_of(ds: dict[str, Any]) -> Precision:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from ..errors import DzError, RemoteError
+from ..planning.inputs import JobInputs
 from ..planning.launchplan import LaunchPlan, make_plan
 from ..spec.hostfile import Node
 from ..spec.job import JobSpec, LoadedJob
@@ -100,11 +101,13 @@ def run_preflight(
     *,
     plan: LaunchPlan | None = None,
     image_missing_ok: bool = False,
+    inputs: JobInputs | None = None,
 ) -> PreflightReport:
     """Check every node of ``nodes`` (rank order) through ``pool``; never raises for a node's failure.
 
     ``image_missing_ok``: a node without the job's image is a warning, not a failure
-    (``dzctl launch`` distributes the image after preflight).
+    (``dzctl launch`` distributes the image after preflight). ``inputs``: the job's local
+    inputs when the caller read them already (``dzctl launch``), for the NVMe space check.
     """
     spec = job.spec if isinstance(job, LoadedJob) else job
     started = time.monotonic()
@@ -130,7 +133,7 @@ def run_preflight(
     # 2. per-node checks.
     master_target = _master_target(spec, pool, hosts[0])
     facts = {h: c.Facts() for h in reachable}
-    nvme_need = _nvme_need(job, plan)
+    nvme_need = _nvme_need(job, plan, inputs)
     per_node = pool.map(
         lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target, nvme_need), reachable
     )
@@ -198,16 +201,18 @@ def _as_checks(outcome, name: str) -> list[Check]:
     return [outcome] if isinstance(outcome, Check) else list(outcome)
 
 
-def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan) -> int | None:
+def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan, inputs: JobInputs | None) -> int | None:
     """Bytes per node that offload to NVMe needs (the planner's figure), when the job fixes offload: nvme."""
     if not isinstance(job, LoadedJob) or job.spec.zero.offload != "nvme":
         return None
+    from ..planning.inputs import read_inputs
     from ..planning.memory.fromjob import nvme_bytes_per_node
 
     try:
-        return nvme_bytes_per_node(job, max(n.slots for n in plan.nodes), plan.world_size)
+        inputs = inputs or read_inputs(job)
+        return nvme_bytes_per_node(inputs, max(n.slots for n in plan.nodes), plan.world_size)
     except DzError:
-        return None  # the model's shape is unknown here: the planner says so at launch
+        return None  # a local input (the model's shape) cannot be read here: launch refuses it before preflight
 
 
 def _node_checks(

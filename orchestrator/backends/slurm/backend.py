@@ -33,9 +33,9 @@ from ...observe.status import (
     parse_progress,
 )
 from ...observe.store import FINAL_STATES, JobRecord, JobStore
-from ...planning.launchplan import LaunchPlan
+from ...planning.resolve import ResolvedJob
 from ...runtimes.control import NodeState
-from ..jobfiles import JobFile, shipped_data
+from ..jobfiles import JobFile
 from .script import BATCH_LOG
 
 COMMAND_TIMEOUT_S = 30
@@ -92,11 +92,12 @@ class SlurmBackend:
 
     def start(self, prepared, progress):
         """Write the job dir (shared), submit the batch script, record the job as pending."""
-        return self.submit(prepared.job, prepared.plan, prepared.files[0], prepared.spec_record, prepared.batch_script)
+        return self.submit(prepared.job, prepared.files[0], prepared.spec_record, prepared.batch_script)
 
-    def submit(self, job, plan: LaunchPlan, files: list[JobFile], spec_record: dict, script: str):
+    def submit(self, job: ResolvedJob, files: list[JobFile], spec_record: dict, script: str):
         from ..start import Started
 
+        plan = job.plan
         refuse_running(job.spec.name, self.store)
         job_dir = Path(plan.nodes[0].job_dir)
         try:
@@ -104,7 +105,7 @@ class SlurmBackend:
             Path(plan.nodes[0].output_dir).mkdir(parents=True, exist_ok=True)
             for item in files:
                 _write(job_dir / item.name, item.content, item.mode)
-            data_file = shipped_data(job)  # checked before anything was written (localcheck)
+            data_file = job.inputs.data_file  # checked before anything was written (inputs.check_data_file)
             if data_file is not None:
                 (job_dir / "data").mkdir(exist_ok=True)
                 shutil.copyfile(data_file, job_dir / "data" / Path(job.spec.data.path).name)

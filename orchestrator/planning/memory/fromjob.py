@@ -1,4 +1,8 @@
-"""The planner's inputs read from a job spec (allowed choices, precision, NVMe need), and its plan for a job."""
+"""The planner's inputs from a job (allowed choices, precision, NVMe need), and its memory plan for the job.
+
+Everything here reads the job's ``JobInputs`` (``planning/inputs.py``), never the job's files:
+they were read once, before any host was touched.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +11,21 @@ from dataclasses import replace
 from typing import Any
 
 from ...errors import InputError
-from ...spec.job import LoadedJob
-from .. import fusedloss
-from ..dsconfig import (
-    job_ds_config,
-    load_user_config,
-    merge,
-    offload_of,
-    resolve_precision,
-)
-from ..shape import ModelShape, shape_for_job
+from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
+from ..inputs import JobInputs
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
 
-def allowed_from_job(job: LoadedJob) -> Allowed:
+def allowed_from(inputs: JobInputs) -> Allowed:
     """What the spec, a user ``zero.config`` and ``zero.overrides`` leave to the planner."""
-    train = job.spec.train
+    spec = inputs.spec
+    train = spec.train
     micro = None if train.micro_batch_size == "auto" else int(train.micro_batch_size)
     ckpt = None if train.gradient_checkpointing == "auto" else bool(train.gradient_checkpointing)
-    offload: Offload | None = None if job.spec.zero.offload == "auto" else job.spec.zero.offload
-    user = load_user_config(job)
-    fixed = merge(user or {}, job.spec.zero.overrides)
+    offload: Offload | None = None if spec.zero.offload == "auto" else spec.zero.offload
+    user = inputs.user_ds_config
+    fixed = merge(user or {}, spec.zero.overrides)
     zero = fixed.get("zero_optimization")
     # A hand-written config (or override) that says where states live decides offload:
     # the planner must estimate what DeepSpeed will actually do.
@@ -46,18 +43,19 @@ def allowed_from_job(job: LoadedJob) -> Allowed:
         micro_batch_size=micro,
         gradient_checkpointing=ckpt,
         offload=offload,
-        nvme=job.spec.zero.nvme_path is not None,
+        nvme=spec.zero.nvme_path is not None,
     )
 
 
-def nvme_bytes_per_node(job: LoadedJob, ranks_per_node: int, world_size: int) -> int:
+def nvme_bytes_per_node(inputs: JobInputs, ranks_per_node: int, world_size: int) -> int:
     """What offload to NVMe keeps on each node's disk (it depends on the model and the GPUs, not the batch)."""
-    lora = LoraShape.from_spec(job.spec.train.lora) if job.spec.train.method == "lora" else None
+    spec = inputs.spec
+    lora = LoraShape.from_spec(spec.train.lora) if spec.train.method == "lora" else None
     est = estimate(
-        shape_for_job(job),
+        inputs.shape,
         Choice(1, True, "nvme"),
-        seq_len=job.spec.train.max_seq_len,
-        precision=precision_for_job(job),
+        seq_len=spec.train.max_seq_len,
+        precision=precision_for(inputs),
         world_size=world_size,
         lora=lora,
     )
@@ -76,27 +74,26 @@ def nvme_reading(per_host: dict[str, dict]) -> NvmeReading | None:
     )
 
 
-def precision_for_job(job: LoadedJob, *, bf16_supported: bool = True) -> Precision:
+def precision_for(inputs: JobInputs, *, bf16_supported: bool = True) -> Precision:
     """The precision DeepSpeed will run: a user config's explicit bf16/fp16 wins, else the spec's.
 
     ``bf16_supported``: whether the nodes' GPUs have bf16 (preflight's compute
     capability); ``precision: auto`` becomes fp16 where they have not.
     """
-    fixed = merge(load_user_config(job) or {}, job.spec.zero.overrides)
+    fixed = merge(inputs.user_ds_config or {}, inputs.spec.zero.overrides)
     for name in ("bf16", "fp16"):
         section = fixed.get(name)
         if isinstance(section, dict) and section.get("enabled") is True:
             return name  # type: ignore[return-value]
-    return resolve_precision(job.spec, bf16_supported=bf16_supported)
+    return resolve_precision(inputs.spec, bf16_supported=bf16_supported)
 
 
 def plan_for_job(
-    job: LoadedJob,
+    inputs: JobInputs,
     slots_per_node: Sequence[int],
     *,
     gpu_mem_gib: float | None,
     host_mem_gib: float | None,
-    shape: ModelShape | None = None,
     bf16_supported: bool = True,
     nvme: NvmeReading | None = None,
 ) -> tuple[MemoryPlan, dict[str, Any] | None]:
@@ -108,7 +105,7 @@ def plan_for_job(
     that does not fit is also planned as LoRA (the job's ``train.lora``), so that the
     refusal can name it; the plan itself never switches method.
     """
-    spec = job.spec
+    spec = inputs.spec
     if spec.accelerator == "gpu" and gpu_mem_gib is None:
         raise InputError(
             "the memory planner needs each GPU's memory",
@@ -120,20 +117,20 @@ def plan_for_job(
     hardware = Hardware(
         tuple(slots_per_node), gpu_mem_gib if spec.accelerator == "gpu" else None, host_mem_gib, nvme=nvme
     )
-    shape = shape or shape_for_job(job)
     lora = LoraShape.from_spec(spec.train.lora)
-    fused_loss = fusedloss.resolve(spec.train.fused_loss, accelerator=spec.accelerator, model_type=shape.model_type)
+    allowed = allowed_from(inputs)
+    precision = precision_for(inputs, bf16_supported=bf16_supported)
 
     def planned(as_lora: bool) -> MemoryPlan:
         return plan_memory(
-            shape,
-            allowed=allowed_from_job(job),
+            inputs.shape,
+            allowed=allowed,
             seq_len=spec.train.max_seq_len,
-            precision=precision_for_job(job, bf16_supported=bf16_supported),
+            precision=precision,
             gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
             hardware=hardware,
             accelerator=spec.accelerator,
-            fused_loss=fused_loss,
+            fused_loss=inputs.fused_loss,
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
         )
@@ -143,5 +140,5 @@ def plan_for_job(
         alternative = planned(True)
         if alternative.fits:
             plan = replace(plan, lora_alternative=alternative)
-    ds_config = job_ds_config(job, plan.resolved(), plan.world_size) if plan.fits else None
+    ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config

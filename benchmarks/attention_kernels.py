@@ -2,7 +2,7 @@
 
 The shape is one attention layer of Qwen3-8B (32 query heads, 8 key/value heads,
 head_dim 128, bf16) over one packed micro-batch: ``--rows`` rows of ``--seq``
-tokens filled by dzctl's packer (``orchestrator/train/packing.py``) with
+tokens filled by dzctl's packer (``orchestrator/train/data/packing.py``) with
 examples of log-normal lengths (``benchmarks/sft_data.py``: median 500, mean
 ~700), i.e. exactly what the trainer hands the model with ``train.packing``.
 
@@ -48,7 +48,8 @@ import sft_data  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from orchestrator.train import attention, packing  # noqa: E402
+from orchestrator.train.data import packing  # noqa: E402
+from orchestrator.train.model import attention  # noqa: E402
 
 FLAT = ("varlen", "flex", "sdpa_split", "sdpa_split_cudnn", "sdpa_split_flash", "sdpa_mask")
 ROWS = ("rows_flex", "rows_sdpa_mask")

@@ -6,7 +6,7 @@ the run's precision (bf16) built from exactly the same weights (they are rounded
 bf16 first, so both start equal): the unfused loss, ``chunked``, the unfused loss
 again (run-to-run noise), Liger's fused linear cross-entropy alone (``liger-flce``,
 to tell its effect from its other kernels) and ``liger`` as the trainer applies it
-(``orchestrator.train.loss.apply_fused_loss``: the fused loss with Liger's RMSNorm,
+(``orchestrator.train.model.loss.apply_fused_loss``: the fused loss with Liger's RMSNorm,
 SwiGLU and RoPE, and the partitioned ``lm_head.weight`` registered as an external
 parameter of the causal-LM module). After each backward the full gradients of
 ``lm_head``, the final norm and the input embeddings are gathered from the partitions
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from orchestrator.train.loss import apply_fused_loss, gather_head_weight_with, require_available
+    from orchestrator.train.model.loss import apply_fused_loss, gather_head_weight_with, require_available
 
     def apply_mode(model, mode: str) -> None:
         if mode == "liger-flce":

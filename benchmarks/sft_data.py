@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# The plain template's fixed tokens (orchestrator/train/data.py, byte-level tokenizer):
+# The plain template's fixed tokens (orchestrator/train/data/conversations.py, byte-level tokenizer):
 # "### Instruction:\n" + "\n\n" + "### Response:\n" + eos + "\n\n".
 TEMPLATE_TOKENS = 17 + 2 + 14 + 1 + 2
 MIN_LEN = 48
@@ -71,8 +71,8 @@ def alpaca_rows(
 
 def measured_lengths(rows: list[dict[str, str]], max_len: int) -> list[int]:
     """Token counts as the trainer encodes the rows (needs transformers for the tokenizer)."""
-    from orchestrator.train import data
-    from orchestrator.train.tokenizer import load_tokenizer
+    from orchestrator.train.data import conversations as data
+    from orchestrator.train.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:byte-level", "none")
     conversations = [data.Conversation((("user", r["instruction"]), ("assistant", r["output"])), "") for r in rows]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.train import data
-from orchestrator.train.data import IGNORE, Conversation, DataError, encode, read_conversations
-from orchestrator.train.tokenizer import BYTE_LEVEL_VOCAB, build_byte_level_tokenizer
+from orchestrator.train.data import conversations as data
+from orchestrator.train.data.conversations import IGNORE, Conversation, DataError, encode, read_conversations
+from orchestrator.train.data.tokenizer import BYTE_LEVEL_VOCAB, build_byte_level_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "jobs" / "data" / "tiny-alpaca-zh.jsonl"

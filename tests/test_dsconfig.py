@@ -187,8 +187,8 @@ def test_tiny_cpu_job_config():
 
 def test_controller_side_never_imports_torch():
     code = (
-        "import sys, orchestrator.planning.dsconfig, orchestrator.train.data, orchestrator.train.checkpoints, "
-        "orchestrator.train.progress, orchestrator.train.entry\n"
+        "import sys, orchestrator.planning.dsconfig, orchestrator.train.data.conversations\n"
+        "import orchestrator.train.checkpoints, orchestrator.train.progress, orchestrator.train.entry\n"
         "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
         "print(heavy)\n"
     )

@@ -56,7 +56,7 @@ def _hf(h, w, labels, num_items_in_batch=None):
 @pytest.mark.parametrize("chunk", [1, 5, 64, None])
 def test_chunked_loss_and_gradients_equal_hugging_faces(num_items, chunk):
     torch = pytest.importorskip("torch")
-    from orchestrator.train.loss import chunked_causal_lm_loss
+    from orchestrator.train.model.loss import chunked_causal_lm_loss
 
     hidden_states, weight, labels = _batch(0)
     if num_items == "tensor":
@@ -73,7 +73,7 @@ def test_chunked_loss_and_gradients_equal_hugging_faces(num_items, chunk):
 
 def test_chunked_loss_takes_shift_labels_and_all_ignored_is_nan_like_hf():
     torch = pytest.importorskip("torch")
-    from orchestrator.train.loss import chunked_causal_lm_loss
+    from orchestrator.train.model.loss import chunked_causal_lm_loss
 
     hidden_states, weight, labels = _batch(1)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:]
@@ -103,7 +103,7 @@ TINY_CONFIG = dict(
 def test_chunked_forward_gives_the_models_own_loss_and_gradients(tied):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from orchestrator.train.loss import apply_fused_loss
+    from orchestrator.train.model.loss import apply_fused_loss
 
     config = transformers.AutoConfig.for_model(**TINY_CONFIG, tie_word_embeddings=tied)
     torch.manual_seed(0)

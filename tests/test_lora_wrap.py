@@ -1,4 +1,4 @@
-"""Wrapping a model with LoRA (train/lora.py) without DeepSpeed: dtype, shapes, a bad target list."""
+"""Wrapping a model with LoRA (train/model/lora.py) without DeepSpeed: dtype, shapes, a bad target list."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _model(job, dtype):
 
 
 def test_adapters_take_the_base_dtype_and_only_they_train():
-    from orchestrator.train import lora
+    from orchestrator.train.model import lora
 
     job = load_job(JOB, ["train.method=lora"])
     wrapped = lora.wrap(_model(job, torch.bfloat16), job)
@@ -32,7 +32,7 @@ def test_adapters_take_the_base_dtype_and_only_they_train():
 
 
 def test_shapes_are_checked_against_the_full_weight():
-    from orchestrator.train import lora
+    from orchestrator.train.model import lora
 
     job = load_job(JOB, ["train.method=lora"])
     wrapped = lora.wrap(_model(job, torch.float32), job)
@@ -44,7 +44,7 @@ def test_shapes_are_checked_against_the_full_weight():
 
 
 def test_target_modules_matching_nothing_is_an_input_error():
-    from orchestrator.train import lora
+    from orchestrator.train.model import lora
 
     job = load_job(JOB, ["train.method=lora", "train.lora.target_modules=[c_attn]"])
     with pytest.raises(InputError) as info:

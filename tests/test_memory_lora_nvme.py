@@ -56,7 +56,7 @@ def test_adapter_count_matches_what_peft_creates():
     }
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     from orchestrator.spec.job import LoraSpec
-    from orchestrator.train.lora import lora_config
+    from orchestrator.train.model.lora import lora_config
 
     peft_model = get_peft_model(model, lora_config(LoraSpec(r=4)))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)

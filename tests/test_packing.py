@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.planning.packing import resolve_packing
 from orchestrator.spec.job import JobSpec
-from orchestrator.train import packing
+from orchestrator.train.data import packing
 
 SEQ = 4096
 
@@ -174,8 +174,8 @@ def _per_example_losses(logits: torch.Tensor, labels: torch.Tensor, cu: list[int
 
 @pytest.mark.parametrize("kernel", ["sdpa_split", "sdpa_mask"])
 def test_a_packed_batch_gives_every_example_its_own_loss(kernel):
-    from orchestrator.train import attention
-    from orchestrator.train.collate import PackedCollator
+    from orchestrator.train.data.collate import PackedCollator
+    from orchestrator.train.model import attention
 
     examples = _examples()
     alone = [_alone_loss(_tiny_model(), e) for e in examples]
@@ -196,7 +196,7 @@ def test_a_packed_batch_gives_every_example_its_own_loss(kernel):
 def test_without_the_packed_kernel_examples_leak_into_each_other():
     # The check above can fail: the same flattened batch through plain causal
     # attention (no boundaries) gives the later examples different losses.
-    from orchestrator.train.collate import PackedCollator
+    from orchestrator.train.data.collate import PackedCollator
 
     examples = _examples()
     alone = [_alone_loss(_tiny_model(), e) for e in examples]
@@ -211,7 +211,7 @@ def test_without_the_packed_kernel_examples_leak_into_each_other():
 
 
 def test_progress_counts_real_tokens_not_padding():
-    from orchestrator.train.collate import PackedCollator
+    from orchestrator.train.data.collate import PackedCollator
     from orchestrator.train.run import Collator, batch_tokens, token_rates
 
     examples = _examples()
@@ -225,11 +225,11 @@ def test_progress_counts_real_tokens_not_padding():
 
 
 def test_the_chunked_fused_loss_on_a_packed_batch_is_the_per_example_mean():
-    # train.fused_loss (issue 12's other half, orchestrator/train/loss.py) replaces the model's
+    # train.fused_loss (issue 12's other half, orchestrator/train/model/loss.py) replaces the model's
     # forward; packed batches must keep their boundaries through it. Runs once both halves are merged.
-    loss = pytest.importorskip("orchestrator.train.loss", reason="train.fused_loss is not on this branch yet")
-    from orchestrator.train import attention
-    from orchestrator.train.collate import PackedCollator
+    loss = pytest.importorskip("orchestrator.train.model.loss", reason="train.fused_loss is not on this branch yet")
+    from orchestrator.train.data.collate import PackedCollator
+    from orchestrator.train.model import attention
 
     examples = _examples()
     alone = [_alone_loss(_tiny_model(), e) for e in examples]

@@ -9,7 +9,7 @@ the trainer spends; a trainer started on a job file by hand resolves it the same
   Hugging Face's ``use_liger_kernel=True`` applies, which is what was measured
   (DESIGN §5: 8,300 against 6,545 tokens/s/GPU at micro-batch 6, and 73.6 against
   112.2 GiB). Needs CUDA (Triton) and the ``liger-kernel`` package.
-- ``chunked``: plain torch (``orchestrator/train/loss.py``): the cross-entropy over
+- ``chunked``: plain torch (``orchestrator/train/model/loss.py``): the cross-entropy over
   chunks of tokens, each chunk's logits recomputed in the backward; runs anywhere.
 - ``none``: the model's own loss (full logits, upcast to fp32).
 - ``auto``: ``liger`` for GPU jobs, ``chunked`` on CPU, for the model types whose

@@ -4,7 +4,7 @@
 per-row behaviour) and for ``synthetic:random`` (its rows are already full).
 ``dzctl launch`` writes the resolved value into the job file; a trainer started on
 a job file by hand resolves it the same way. How rows are packed is the trainer's
-(``orchestrator/train/packing.py``).
+(``orchestrator/train/data/packing.py``).
 """
 
 from __future__ import annotations

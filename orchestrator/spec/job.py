@@ -48,7 +48,7 @@ class ModelSpec(_Strict):
     tokenizer: str | None = None
 
 
-# The benchmark source: random full-length rows made on the nodes (orchestrator/train/data.py),
+# The benchmark source: random full-length rows made on the nodes (orchestrator/train/data/conversations.py),
 # so there is no file to ship and nothing to pack.
 SYNTHETIC_DATA = "synthetic:random"
 
@@ -77,7 +77,7 @@ class LoraSpec(_Strict):
 
 class TrainSpec(_Strict):
     # full: every weight trains. lora: the base weights stay frozen (bf16, partitioned)
-    # and only low-rank adapters train; see orchestrator/train/lora.py.
+    # and only low-rank adapters train; see orchestrator/train/model/lora.py.
     method: Literal["full", "lora"] = "full"
     lora: LoraSpec = Field(default_factory=LoraSpec)
     max_seq_len: int = Field(2048, ge=8)
@@ -109,7 +109,7 @@ class TrainSpec(_Strict):
     output_storage: Literal["auto", "shared", "node-local"] = "auto"
     resume: str = Field("auto", min_length=1)  # auto | never | PATH
     seed: int = 42
-    # Several examples per row of max_seq_len (orchestrator/train/packing.py).
+    # Several examples per row of max_seq_len (orchestrator/train/data/packing.py).
     # auto: on for GPU jobs, off on CPU and for synthetic:random.
     packing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
     # The loss without the full logits (orchestrator/planning/fusedloss.py): auto = liger on GPUs, chunked on CPU.

@@ -5,12 +5,10 @@ The only package of dzctl that imports torch, deepspeed and transformers (the
 
 - ``entry``: command line, environment, the one place errors become exit codes.
 - ``environment``: variables the field learned to set before torch/DeepSpeed start.
-- ``tokenizer``: ``builtin:byte-level`` and loading a model's tokenizer.
-- ``data``: alpaca / messages rows → token ids and labels (loss on responses only).
+- ``data/``: the rows: reading and encoding conversations, the tokenizer, packing, collation.
+- ``model/``: the packed attention kernels, the fused losses, LoRA.
 - ``checkpoints``: completeness, resume selection, consolidated-weights check (no torch).
-- ``packing``: examples packed into rows of ``max_seq_len`` (no torch).
-- ``collate``: a micro-batch of packed rows as one flattened sequence.
-- ``attention``: the packed attention kernels, registered with transformers.
-- ``progress``: ``progress.jsonl`` events (no torch).
+- ``gang``: the watchdog that stops every rank when one fails; ``collective``: preflight's check.
+- ``progress``: ``progress.jsonl`` events (no torch); ``rankprefix``: rank-prefixed output.
 - ``run``: model, Trainer, DeepSpeed: the training itself.
 """

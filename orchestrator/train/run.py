@@ -37,10 +37,12 @@ from ..planning import dsconfig, fusedloss
 from ..planning.packing import resolve_packing
 from ..planning.trackers import tracker_env
 from ..spec.job import SYNTHETIC_DATA, LoadedJob
-from . import attention, checkpoints, data, gang, lora, loss, packing
-from .collate import PackedCollator
+from . import checkpoints, gang
+from .data import conversations, packing
+from .data.collate import PackedCollator
+from .data.tokenizer import load_tokenizer
+from .model import attention, lora, loss
 from .progress import ProgressLog, finite
-from .tokenizer import load_tokenizer
 
 CONSOLIDATED = "model"
 
@@ -255,7 +257,7 @@ class Collator:
                 "labels": torch.tensor([r["labels"] for r in rows]),
             }
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), data.IGNORE, dtype=torch.long)
+        labels = torch.full((len(rows), width), conversations.IGNORE, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
@@ -482,8 +484,8 @@ def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks,
         rows = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
         return SyntheticDataset(rows, spec.train.max_seq_len, vocab_size, spec.train.seed)
     path = loaded.resolve_local(spec.data.path)
-    report = data.read_conversations(path, spec.data.format, spec.data.on_error)
-    encoded = data.encode_all(report.conversations, tokenizer, spec.train.max_seq_len)
+    report = conversations.read_conversations(path, spec.data.format, spec.data.on_error)
+    encoded = conversations.encode_all(report.conversations, tokenizer, spec.train.max_seq_len)
     if ranks.rank == 0:
         for line in report.skipped[:20]:
             print(f"dzctl-train: skipped row: {line}", flush=True)
@@ -494,7 +496,9 @@ def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks,
             flush=True,
         )
     if not encoded.examples:
-        raise data.DataError(f"{path}: no example keeps a response within train.max_seq_len {spec.train.max_seq_len}")
+        raise conversations.DataError(
+            f"{path}: no example keeps a response within train.max_seq_len {spec.train.max_seq_len}"
+        )
     if not settings.packing:
         return ListDataset(encoded.examples)
     # Every rank packs the same examples with the same seed: identical rows everywhere,

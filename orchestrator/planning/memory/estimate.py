@@ -39,12 +39,7 @@ from typing import Literal
 
 from ...spec.job import LoraSpec
 from .. import fusedloss
-from ..dsconfig import (
-    NVME_MIN_BUFFER_ELEMENTS,
-    NVME_OPTIMIZER_BUFFERS,
-    NVME_PARAM_BUFFERS,
-    NVME_SUB_GROUP_SIZE,
-)
+from ..dsconfig import NVME_MIN_BUFFER_ELEMENTS, NVME_OPTIMIZER_BUFFERS, NVME_PARAM_BUFFERS, NVME_SUB_GROUP_SIZE
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
 
@@ -171,7 +166,7 @@ def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss) 
       dtype), an fp32 loss per token and the target mask, and one chunk's logits in
       the activation dtype (the cross-entropy kernel writes their gradient in place).
       Its full ``lm_head`` gradient is the "its grad" of the gathered-layer term.
-    * ``chunked`` (orchestrator/train/loss.py): at its backward, the hidden states'
+    * ``chunked`` (orchestrator/train/model/loss.py): at its backward, the hidden states'
       gradient, an fp32 log-sum-exp per token, and for one chunk the logits in the
       activation dtype, their fp32 copy turned into the gradient in place and that
       gradient cast back; the ``lm_head`` gradient is again the gathered-layer term.

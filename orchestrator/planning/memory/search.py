@@ -11,9 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...spec.job import LoraSpec
-from ..dsconfig import (
-    Resolved,
-)
+from ..dsconfig import Resolved
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
 from .estimate import (

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import InputError
+from ...errors import InputError
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError
-from ..spec.job import LoadedJob, LoraSpec
-from . import checkpoints
+from ...errors import InputError
+from ...spec.job import LoadedJob, LoraSpec
+from .. import checkpoints
 
 ADAPTER = "adapter"
 MERGED = "model"

@@ -32,9 +32,9 @@ from types import MethodType
 
 import torch
 
-from ..errors import InputError
-from ..planning.fusedloss import FUSED_MODEL_TYPES, chunk_tokens
-from .data import IGNORE
+from ...errors import InputError
+from ...planning.fusedloss import FUSED_MODEL_TYPES, chunk_tokens
+from ..data.conversations import IGNORE
 
 LIGER_FIX = "install the train extra with Liger (pip install 'liger-kernel>=0.8'), or set train.fused_loss: chunked"
 

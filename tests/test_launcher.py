@@ -110,3 +110,77 @@ def test_a_failed_check_raises_before_anything_is_recorded(cluster, tmp_path):
     with pool, pytest.raises(RuntimeFailure, match="preflight failed on 2 of 2 node"):
         launcher.prepare(job, nodes, pool, launcher.LaunchOptions(skip_collective=True), progress)
     assert progress.reports == [(False, False)]
+
+
+# The functions that decide something about a job from its files or its nodes. One `dzctl launch`
+# must run each once: everything later reads the ResolvedJob they built (issue 32).
+RESOLUTION = (
+    ("orchestrator.planning.inputs", "read_inputs"),
+    ("orchestrator.spec.job", "read_env_file"),
+    ("orchestrator.planning.dsconfig", "load_user_config"),
+    ("orchestrator.planning.shape", "shape_for_job"),
+    ("orchestrator.planning.packing", "resolve_packing"),
+    ("orchestrator.planning.fusedloss", "resolve"),
+    ("orchestrator.planning.memory.fromjob", "plan_for_job"),
+    ("orchestrator.planning.dsconfig", "ds_config_for"),
+    ("orchestrator.planning.resolve", "resolve_job"),
+)
+
+
+def test_one_dzctl_launch_resolves_the_job_once(cluster, tmp_path, monkeypatch):
+    """Counts, with a profiler hook in every thread, the calls of each resolution function during one launch."""
+    import collections
+    import importlib
+    import json
+    import threading
+
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+    from orchestrator.planning import launchplan
+
+    hosts = cluster(2)
+    monkeypatch.setenv("DZCTL_HOME", str(tmp_path / "home"))
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("HF_TOKEN=hf_resolve_once\n", encoding="utf-8")
+    remote = f"/var/tmp/dzctl-once-{hosts.cid}"
+    codes = {getattr(importlib.import_module(m), f).__code__: f"{m}.{f}" for m, f in RESOLUTION}
+    counts: collections.Counter[str] = collections.Counter()
+    plan_ids: list[str] = []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        if frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+        elif frame.f_code is launchplan.make_plan.__code__:
+            plan_ids.append(frame.f_locals["job_id"])
+
+    argv = [
+        "launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--hosts", str(hosts.write_hostfile(tmp_path / "hosts.txt")),
+        "--ssh-config", str(hosts.ssh_config), "--detach", "--json",
+        "--set", "name=resolve-once", "--set", "runtime=process", "--set", f"launch.python={sys.executable}",
+        "--set", f"launch.remote_dir={remote}/{{host}}", "--set", "launch.master_port=29633",
+        "--set", f"launch.env_file={secrets}", "--set", "train.max_steps=200", "--set", "train.save_steps=1000",
+    ]  # fmt: skip
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        result = CliRunner().invoke(main, argv)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout)["job_id"]
+    try:
+        assert dict(counts) == {name: 1 for name in codes.values()}
+        # The job's own launch plan is made once; preflight's and the collective check's carry their own ids.
+        assert plan_ids.count(job_id) == 1, plan_ids
+        assert all(i == job_id or i == "preflight" or i.endswith("-nccl") for i in plan_ids), plan_ids
+        # What the nodes got was made from that one resolution: the secret reached the env file only.
+        job_dir = Path(f"{remote}/node1/jobs/{job_id}")
+        assert (job_dir / "env").read_text() == "HF_TOKEN=hf_resolve_once\n"
+        assert "hf_resolve_once" not in (job_dir / "job.yaml").read_text()
+    finally:
+        stopped = CliRunner().invoke(main, ["stop", job_id])
+        assert stopped.exit_code == 0, stopped.output

@@ -346,6 +346,7 @@ def test_job_spec_loads_or_names_file_and_line(tmp_path_factory, data):
 @example(text="name: a\nname: b\n")
 @example(text="- just\n- a list\n")
 @example(text="!!python/object/apply:os.system ['id']\n")
+@example(text="{;\x85\x85;}")  # a key holding NEL line breaks: its error used to span three lines
 def test_any_text_as_job_file(tmp_path_factory, text):
     job = tmp_path_factory.mktemp("spec") / "job.yaml"
     job.write_text(text, encoding="utf-8")

@@ -321,7 +321,12 @@ def shown_override(item: str) -> str:
     dotted, sep, _ = item.partition("=")
     if sep and is_secret_name(dotted.rsplit(".", 1)[-1]):
         item = f"{dotted}=***"
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in item)
+    return printable(item)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (newlines, NEL, NUL, ...) escaped: one message stays one line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -357,7 +362,8 @@ def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[st
     messages = []
     for error in exc.errors():
         loc = _clean_loc(error["loc"])
-        dotted = ".".join(str(p) for p in loc)
+        # A key is the user's text: one holding a line break must not split the message into lines.
+        dotted = ".".join(printable(str(p)) for p in loc)
         if error["type"] == "extra_forbidden":
             text = f"{dotted}: unknown key"
             suggestion = _did_you_mean(loc)

@@ -304,7 +304,7 @@ def write_context(root: Path, request: BuildRequest, out, inputs: BuildInputs | 
 
 def repo_root() -> Path:
     """The folder holding ``docker/Dockerfile``: this checkout (dzctl builds from its own source)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # orchestrator/image/build.py -> the checkout
     if not (root / DOCKERFILE).is_file():
         raise InputError(
             f"{root / DOCKERFILE} not found: dzctl build needs a source checkout of dzctl",

@@ -94,6 +94,7 @@ class SlurmCluster:
         self._procs: list[subprocess.Popen] = []
         self.owner = {"pid": os.getpid(), "start": _start_time(os.getpid())}
         self._logs: list = []
+        self._made_socket_mountpoint = False
 
     # -- paths -------------------------------------------------------------------------------
     @property
@@ -139,9 +140,20 @@ class SlurmCluster:
         if self.accounting:
             self._start_accounting()
         self._start_slurmctld()
+        if self.hosts.docker:
+            self._ensure_docker_socket_mountpoint()
         for host in self.hosts.hosts:
             self._start_slurmd(host)
         self.wait_idle()
+
+    def _ensure_docker_socket_mountpoint(self) -> None:
+        # A bind mount needs its target to exist: on a machine with no system dockerd there is no
+        # /run/docker.sock to mount each node's socket over (slurmd then exits 32 at start). An empty
+        # file stands in, removed again at close if this cluster made it.
+        target = Path("/run/docker.sock")
+        if not target.exists():
+            target.touch()
+            self._made_socket_mountpoint = True
 
     def close(self) -> None:
         for proc in reversed(self._procs):
@@ -159,6 +171,10 @@ class SlurmCluster:
             with contextlib.suppress(Exception):
                 handle.close()
         self.hosts.close()  # kills whatever is left in the hosts' namespaces (job steps too)
+        target = Path("/run/docker.sock")
+        if self._made_socket_mountpoint and target.is_file() and target.stat().st_size == 0:
+            target.unlink()
+        self._made_socket_mountpoint = False
 
     # -- daemons -----------------------------------------------------------------------------
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:

@@ -430,17 +430,27 @@ class TestCluster:
         # dockerd then dies with "Devices cgroup isn't mounted" (DESIGN.md §4).
         # No bridge or iptables: containers run with --network host, which puts
         # them in this host's namespace.
+        # Name resolution as sshd's sessions have it (start_sshd): a --network host container gets
+        # dockerd's /etc/hosts and /etc/resolv.conf. This machine's resolver is unreachable from the
+        # namespace, so with the real resolv.conf every lookup a rank makes (gloo resolves its peers
+        # and their names) waited out its timeout: 40 s of a docker launch's collective check and
+        # about 30 s of each training start. The cluster's hosts file and an empty resolv.conf fail fast.
         argv = [
             "nsenter",
             f"--net={host.netns_path}",
             # Its own hostname too, so `docker info` names the host.
             "unshare",
             "--uts",
+            "--mount",
+            "--propagation",
+            "slave",
             "sh",
             "-c",
-            'hostname "$1" && shift && exec dockerd "$@"',
+            'hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind /dev/null /etc/resolv.conf'
+            ' && shift 2 && exec dockerd "$@"',
             "sh",
             host.name,
+            str(self.hosts_file),
             "--data-root",
             str(data_root),
             "--exec-root",

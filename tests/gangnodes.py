@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "gangtest"
+STALE_S = 6.0  # the watchers' DZCTL_GANG_STALE_S: three heartbeats
 
 
 class BadCheck:
@@ -73,6 +74,8 @@ class Gang:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         for name in ("DZCTL_NUM_NODES", "TORCHELASTIC_RUN_ID"):  # end_node: only this process ends
             env.pop(name, None)
+        # A shorter grace than the default 15 s: each case waits it out (the e2e tests keep the default).
+        env["DZCTL_GANG_STALE_S"] = str(STALE_S)
         self.env = env
         try:
             self.procs["store"] = self._spawn(["store", str(self.port)], "ready")

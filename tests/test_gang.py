@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import signal
 
-from gangnodes import Gang
+import pytest
+from gangnodes import STALE_S, Gang
 
 from orchestrator.train import gang
 
-# The watchdog notices at the first heartbeat past STALE_S; the rest is slack for a loaded machine.
-BOUND_S = gang.STALE_S + 2 * gang.HEARTBEAT_S + 10
+# The watchdog notices at the first heartbeat past STALE_S (the watchers run with DZCTL_GANG_STALE_S,
+# gangnodes.STALE_S); the rest is slack for a loaded machine.
+BOUND_S = STALE_S + 2 * gang.HEARTBEAT_S + 10
 
 
 def test_store_on_node_0_gone_stops_the_other_node():
@@ -28,7 +30,7 @@ def test_store_on_node_0_gone_stops_the_other_node():
         code, waited, stderr = nodes.exit_of("node1", timeout=BOUND_S)
     assert code == gang.GANG_EXIT_CODE, (code, stderr)
     assert "dzctl gang: node 1 stops: lost the rendezvous store on the master node" in stderr, stderr
-    assert waited >= gang.STALE_S, waited  # not before the grace period: a slow store is not a lost one
+    assert waited >= STALE_S, waited  # not before the grace period: a slow store is not a lost one
 
 
 def test_a_silent_node_stops_the_others():
@@ -37,14 +39,14 @@ def test_a_silent_node_stops_the_others():
         code, waited, stderr = nodes.exit_of("node0", timeout=BOUND_S)
     assert code == gang.GANG_EXIT_CODE, (code, stderr)
     assert "dzctl gang: node 0 stops: node 1 stopped answering for " in stderr, stderr
-    assert waited >= gang.STALE_S - gang.HEARTBEAT_S, waited
+    assert waited >= STALE_S - gang.HEARTBEAT_S, waited
 
 
 def test_a_node_that_starts_late_is_not_a_silent_one():
     # Nodes reach their watchdog at different times (one reads its data more slowly):
     # a counter never bumped is a node still starting, given 8 × STALE_S, not one gone quiet.
     with Gang(late=(1,)) as nodes:
-        code, _, stderr = nodes.exit_of("node0", timeout=gang.STALE_S + 3 * gang.HEARTBEAT_S)
+        code, _, stderr = nodes.exit_of("node0", timeout=STALE_S + 3 * gang.HEARTBEAT_S)
         assert code is None, f"node 0 stopped while node 1 was still starting: exit {code}: {stderr}"
         nodes.start_node(1)
         nodes.wait_beating()
@@ -62,3 +64,11 @@ def test_a_bug_in_the_watchdog_is_not_a_lost_store():
     assert "lost the rendezvous store" not in stderr, stderr
     assert "dzctl gang: node 1: the watchdog itself failed (TypeError: check(): incompatible" in stderr, stderr
     assert "a bug in dzctl" in stderr
+
+
+def test_the_grace_period_is_the_default_unless_the_variable_sets_a_workable_one():
+    assert gang.stale_seconds({}) == gang.STALE_DEFAULT_S == 15.0
+    assert gang.stale_seconds({"DZCTL_GANG_STALE_S": "40"}) == 40.0
+    for bad in ("abc", "0", "-3", "5"):  # under three heartbeats, one late beat would look like a lost node
+        with pytest.raises(ValueError, match="DZCTL_GANG_STALE_S"):
+            gang.stale_seconds({"DZCTL_GANG_STALE_S": bad})

@@ -28,7 +28,30 @@ import traceback
 from datetime import timedelta
 
 HEARTBEAT_S = 2.0
-STALE_S = 15.0  # well inside the 30 s promise, well above a GC pause or a slow store round trip
+STALE_DEFAULT_S = 15.0  # well inside the 30 s promise, well above a GC pause or a slow store round trip
+STALE_VARIABLE = "DZCTL_GANG_STALE_S"
+
+
+def stale_seconds(environ=os.environ) -> float:
+    """How long a node may go without news before the others stop: ``DZCTL_GANG_STALE_S``, else 15 s.
+
+    A site whose store is slow to answer may raise it; the tests lower it, so that each of their
+    cases waits seconds rather than the default (the detection itself is the same code).
+    """
+    text = environ.get(STALE_VARIABLE, "").strip()
+    if not text:
+        return STALE_DEFAULT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 3 * HEARTBEAT_S:
+        # Below three heartbeats one late beat would read as a lost node.
+        raise ValueError(f"{STALE_VARIABLE}={text!r}: give a number of seconds of at least {3 * HEARTBEAT_S:g}")
+    return value
+
+
+STALE_S = stale_seconds()
 GANG_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped because another node failed"
 # What talking to a lost or unreachable store raises: torch's DistError family (DistNetworkError,
 # DistStoreError: RuntimeError subclasses) and socket errors (OSError). Anything else is a bug here,

@@ -161,3 +161,46 @@ def cpu_image_tag(local_docker_url, base_image):
     assert done.returncode == 0, done.stderr[-3000:]
     json.loads(done.stdout)
     return CPU_TAG
+
+
+# -- shared test hosts (issue 24): two pairs built once per run, reset after every test that used them ----
+# Building a pair of docker hosts and loading the CPU image onto them took about 30-50 s each time a module
+# did it (test_e2e, test_collective_e2e and test_slurm each did). One pair per kind now serves every module,
+# and TestCluster.reset() after each test removes what the test left (containers, ranks, supervisors,
+# iptables rules), so no test sees another's job; test_testhosts.py proves the reset.
+@pytest.fixture(scope="session")
+def shared_process_hosts(tmp_path_factory):
+    require_test_hosts()
+    with TestCluster(2, workdir=tmp_path_factory.mktemp("pair-process")) as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="session")
+def shared_docker_hosts(tmp_path_factory, cpu_image_tag, local_docker_url):
+    """Two docker hosts holding the CPU image, as `dzctl launch` leaves them after distributing it."""
+    import subprocess
+    import sys
+
+    require_test_hosts(docker=True)
+    with TestCluster(2, docker=True, workdir=tmp_path_factory.mktemp("pair-docker")) as hosts:
+        hostfile = hosts.write_hostfile(hosts.workdir / "hosts.txt", slots=1)
+        env = {**os.environ, "DOCKER_HOST": local_docker_url}
+        argv = [sys.executable, "-m", "orchestrator", "distribute", cpu_image_tag, "--hosts", str(hostfile),
+                "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        yield hosts
+
+
+@pytest.fixture
+def process_pair(shared_process_hosts):
+    """The shared two process hosts; whatever the test leaves running there is removed after it."""
+    yield shared_process_hosts
+    shared_process_hosts.reset()
+
+
+@pytest.fixture
+def docker_pair(shared_docker_hosts):
+    """The shared two docker hosts (the CPU image loaded); what the test leaves is removed after it."""
+    yield shared_docker_hosts
+    shared_docker_hosts.reset()

@@ -85,9 +85,18 @@ class SlurmCluster:
     __test__ = False
 
     def __init__(
-        self, n: int = 2, *, docker: bool = False, workdir: Path, cpus: int | None = None, accounting: bool = True
+        self,
+        n: int = 2,
+        *,
+        docker: bool = False,
+        workdir: Path | None = None,
+        cpus: int | None = None,
+        accounting: bool = True,
+        hosts: TestCluster | None = None,
     ) -> None:
-        self.hosts = TestCluster(n, docker=docker, workdir=workdir)
+        # ``hosts``: running test hosts to put Slurm on (a run's shared pair); left running at close, reset.
+        self.owns_hosts = hosts is None
+        self.hosts = hosts if hosts is not None else TestCluster(n, docker=docker, workdir=workdir)
         self.accounting = accounting
         self.cpus = cpus or os.cpu_count() or 1
         self.name = f"dz{secrets.token_hex(3)}"
@@ -131,7 +140,9 @@ class SlurmCluster:
         if missing:
             raise TestHostError("cannot build Slurm test hosts, missing: " + ", ".join(missing))
         sweep_stale_daemons()
-        self.hosts.start()
+        if self.owns_hosts:
+            self.hosts.start()
+        shutil.rmtree(self.run, ignore_errors=True)  # shared hosts: no state of an earlier Slurm on them
         self.run.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run, 0o755)
         self.conf.parent.mkdir(parents=True, exist_ok=True)
@@ -166,11 +177,15 @@ class SlurmCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        self.hosts.keep -= {proc.pid for proc in self._procs}
         self._procs.clear()
         for handle in self._logs:
             with contextlib.suppress(Exception):
                 handle.close()
-        self.hosts.close()  # kills whatever is left in the hosts' namespaces (job steps too)
+        if self.owns_hosts:
+            self.hosts.close()  # kills whatever is left in the hosts' namespaces (job steps too)
+        else:
+            self.hosts.reset()  # the same for hosts that stay up: job steps, their containers
         target = Path("/run/docker.sock")
         if self._made_socket_mountpoint and target.is_file() and target.stat().st_size == 0:
             target.unlink()
@@ -182,6 +197,7 @@ class SlurmCluster:
         self._logs.append(log)
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         self._procs.append(proc)
+        self.hosts.keep.add(proc.pid)  # a daemon of this cluster's, not a test's leftover: reset() spares it
         # For sweep_stale_daemons: the daemons on the root namespace outlive a killed test process.
         with open(DAEMONS, "a") as record:
             record.write(json.dumps({"pid": proc.pid, "start": _start_time(proc.pid), "owner": self.owner}) + "\n")

@@ -92,39 +92,15 @@ class Check:
         return found
 
 
-@pytest.fixture(scope="module")
-def process_cluster(tmp_path_factory):
-    from conftest import require_test_hosts
-    from testhosts import TestCluster
-
-    require_test_hosts()
-    with TestCluster(2, workdir=tmp_path_factory.mktemp("hosts")) as hosts:
-        yield hosts
-
-
-@pytest.fixture(scope="module")
-def docker_cluster(tmp_path_factory, cpu_image_tag, local_docker_url):
-    from conftest import require_test_hosts
-    from testhosts import TestCluster
-
-    require_test_hosts(docker=True)
-    with TestCluster(2, docker=True, workdir=tmp_path_factory.mktemp("hosts")) as hosts:
-        # The image on both nodes, as `dzctl launch` would have it before its collective check.
-        hostfile = hosts.write_hostfile(tmp_path_factory.mktemp("dist") / "hosts.txt", slots=1)
-        env = {**os.environ, "DOCKER_HOST": local_docker_url, "PYTHONPATH": str(ROOT)}
-        argv = [sys.executable, "-m", "orchestrator", "distribute", cpu_image_tag, "--hosts", str(hostfile),
-                "--ssh-config", str(hosts.ssh_config)]  # fmt: skip
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        yield hosts, cpu_image_tag, local_docker_url
-
-
 @pytest.fixture(params=["docker", "process"])
 def check(request, tmp_path):
+    # The run's shared pairs (conftest), the image already on the docker hosts as launch leaves it
+    # before its collective check; reset after the test.
     if request.param == "docker":
-        hosts, image, url = request.getfixturevalue("docker_cluster")
+        hosts = request.getfixturevalue("docker_pair")
+        image, url = request.getfixturevalue("cpu_image_tag"), request.getfixturevalue("local_docker_url")
         return Check(hosts, tmp_path, "docker", image, url)
-    return Check(request.getfixturevalue("process_cluster"), tmp_path, "process", None, None)
+    return Check(request.getfixturevalue("process_pair"), tmp_path, "process", None, None)
 
 
 def test_the_check_passes_reports_a_bandwidth_and_leaves_nothing(check):

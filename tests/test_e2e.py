@@ -31,6 +31,7 @@ class Controller:
         self.cluster = cluster
         self.docker_host = docker_host
         self.runtime = runtime
+        self.image = image
         self.home = tmp_path / "home"
         self.hostfile = cluster.write_hostfile(tmp_path / "hosts.txt", slots=1)
         # Per-host paths: the test hosts share one filesystem.
@@ -107,43 +108,33 @@ def _progress_events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-@pytest.fixture(scope="module")
-def process_hosts(tmp_path_factory):
-    from conftest import require_test_hosts
-    from testhosts import TestCluster
-
-    require_test_hosts()
-    with TestCluster(2, workdir=tmp_path_factory.mktemp("hosts")) as hosts:
-        yield hosts
-
-
-@pytest.fixture(scope="module")
-def docker_hosts(tmp_path_factory, cpu_image_tag):
-    from conftest import require_test_hosts
-    from testhosts import TestCluster
-
-    require_test_hosts(docker=True)
-    with TestCluster(2, docker=True, workdir=tmp_path_factory.mktemp("hosts")) as hosts:
-        yield hosts, cpu_image_tag
-
-
 @pytest.fixture(params=["docker", "process"])
 def controller(request, tmp_path):
-    """A controller on two hosts; the hosts (and their loaded image) are shared by a module's tests."""
+    """A controller on two hosts: the run's shared pair (conftest), reset after the test."""
     if request.param == "docker":
-        hosts, image = request.getfixturevalue("docker_hosts")
+        hosts = request.getfixturevalue("docker_pair")
         # The controller's `docker save` (for distribution) talks to the local daemon.
         local = request.getfixturevalue("local_docker_url")
-        controller = Controller(hosts, tmp_path, "docker", image=image, docker_host=local)
+        controller = Controller(hosts, tmp_path, "docker", image=request.getfixturevalue("cpu_image_tag"),
+                                docker_host=local)  # fmt: skip
     else:
-        controller = Controller(request.getfixturevalue("process_hosts"), tmp_path, "process")
+        controller = Controller(request.getfixturevalue("process_pair"), tmp_path, "process")
     yield controller
     controller.dzctl("stop", controller.job, "--ssh-config", str(controller.cluster.ssh_config))
 
 
 def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controller):
+    if controller.runtime == "docker":
+        # A node without the image: launch ships it there (and only there) and checks again before starting.
+        node1 = controller.cluster.hosts[1]
+        controller.cluster.run_in(node1, ["docker", "rmi", "--force", controller.image])
     result = controller.launch("--follow", "--json", steps=6)
     assert result.returncode == 0, result.stderr[-3000:]
+    if controller.runtime == "docker":
+        assert f"distributing {controller.image} to the nodes that lack it" in result.stderr
+        ids = {controller.cluster.run_in(h, ["docker", "image", "inspect", "--format", "{{.Id}}", controller.image])
+               .stdout.strip() for h in controller.cluster.hosts}  # fmt: skip
+        assert len(ids) == 1, ids
     final = json.loads(result.stdout)
     assert final["state"] == "succeeded"
     # Every node's output reached the controller, prefixed with rank and host.
@@ -211,9 +202,9 @@ def test_stop_leaves_nothing_running_and_a_relaunch_resumes(controller):
     assert starts[-1]["step"] >= saved, f"the relaunch started at {starts[-1]['step']}, not from checkpoint {saved}"
 
 
-def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(process_hosts, tmp_path):
+def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(process_pair, tmp_path):
     """SIGKILL dzctl once the first node runs: status reconciles, stop cleans, a relaunch is not refused."""
-    controller = Controller(process_hosts, tmp_path, "process")
+    controller = Controller(process_pair, tmp_path, "process")
     sets = [item for s in [*controller.sets, "train.max_steps=100000"] for item in ("--set", s)]
     env = {**os.environ, "DZCTL_HOME": str(controller.home), "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "orchestrator", "launch", str(ROOT / "jobs/tiny-cpu.yaml"),
@@ -241,9 +232,9 @@ def test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean(pr
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
 
 
-def test_a_node_that_cannot_start_leaves_no_half_started_job(process_hosts, tmp_path):
+def test_a_node_that_cannot_start_leaves_no_half_started_job(process_pair, tmp_path):
     """Node 1's launcher refuses to start: node 0, already running, is stopped; the job is failed."""
-    controller = Controller(process_hosts, tmp_path, "process")
+    controller = Controller(process_pair, tmp_path, "process")
     wrapper = tmp_path / "python-wrapper"
     # The node-side Python, except that starting a rank fails on node1 (preflight's probes still pass).
     wrapper.write_text(

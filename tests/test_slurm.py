@@ -132,29 +132,23 @@ def _require_slurm(docker: bool = False) -> None:
 
 
 @pytest.fixture(scope="module")
-def slurm_process(tmp_path_factory):
+def slurm_process(shared_process_hosts):
     _require_slurm()
     from slurmhosts import SlurmCluster
 
-    with SlurmCluster(2, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
+    # On the run's shared pair (conftest): Slurm's daemons for this module, the hosts reset at its end.
+    with SlurmCluster(hosts=shared_process_hosts) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def slurm_docker(tmp_path_factory, cpu_image_tag, local_docker_url):
+def slurm_docker(shared_docker_hosts, cpu_image_tag):
     _require_slurm(docker=True)
     from slurmhosts import SlurmCluster
 
-    with SlurmCluster(2, docker=True, workdir=tmp_path_factory.mktemp("slurm")) as cluster:
-        # Slurm ships no image: the nodes have it already, as a site's nodes would (a registry, a load).
-        archive = cluster.hosts.workdir / "image.tar"
-        subprocess.run(["docker", "-H", local_docker_url, "save", "-o", str(archive), cpu_image_tag], check=True)
-        loads = [
-            subprocess.Popen(["docker", "-H", host.docker_host, "load", "-i", str(archive)], stdout=subprocess.DEVNULL)
-            for host in cluster.hosts.hosts
-        ]
-        assert all(load.wait() == 0 for load in loads)
-        archive.unlink()
+    # Slurm ships no image: the nodes have it already, as a site's nodes would (a registry, a load):
+    # the shared docker pair holds the CPU image.
+    with SlurmCluster(hosts=shared_docker_hosts) as cluster:
         yield cluster, cpu_image_tag
 
 

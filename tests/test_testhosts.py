@@ -128,3 +128,35 @@ def test_clusters_of_killed_test_runs_are_swept(tmp_path):
     assert subprocess.run(["ip", "link", "show", f"dzb{cid}"], capture_output=True).returncode != 0
     time.sleep(0.2)
     assert not Path(f"/proc/{sshd_pid}").exists() or "Z" in Path(f"/proc/{sshd_pid}/stat").read_text().split()[2]
+
+
+def test_reset_removes_what_a_test_left_running_and_keeps_the_hosts_up(shared_docker_hosts, cpu_image_tag):
+    """The shared pairs are reset after each test: a job left running by one test is gone before the next."""
+    import time
+
+    hosts = shared_docker_hosts
+    node0, node1 = hosts.hosts
+    # What a test could leave behind: a detached process over SSH (as the process runtime's supervisor is),
+    # a running container (as the docker runtime's rank is), and a firewall rule.
+    started = _ssh(hosts, node0, "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
+    assert started.returncode == 0, started.stderr
+    left_pid = int(started.stdout.strip())
+    hosts.run_in(node1, ["docker", "run", "--detach", "--network", "host", "--name", "left-behind",
+                         cpu_image_tag, "sleep", "600"])  # fmt: skip
+    hosts.run_in(node1, ["iptables", "-A", "INPUT", "-s", node0.address, "-j", "DROP"])
+
+    removed = hosts.reset()
+
+    assert f"node0: pid {left_pid} (sleep)" in removed, removed
+    assert any(line.startswith("node1: container ") for line in removed), removed
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{left_pid}").exists() and time.monotonic() < deadline:  # SIGKILLed: reaped by init
+        time.sleep(0.1)
+    assert not Path(f"/proc/{left_pid}").exists()
+    assert hosts.run_in(node1, ["docker", "ps", "--all", "--quiet"]).stdout.strip() == ""
+    assert "DROP" not in hosts.run_in(node1, ["iptables", "-S"]).stdout
+    # The hosts themselves are as before: sshd answers, dockerd answers and still holds the image.
+    assert _ssh(hosts, node1, "hostname").stdout.strip() == "node1"
+    inspect = hosts.run_in(node1, ["docker", "image", "inspect", cpu_image_tag], check=False)
+    assert inspect.returncode == 0, inspect.stderr
+    assert hosts.reset() == []  # nothing left: a second reset finds nothing to remove

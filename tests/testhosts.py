@@ -120,6 +120,8 @@ class TestCluster:
     name_prefix: str = "node"
     cid: str = field(default_factory=lambda: secrets.token_hex(3))
     hosts: list[TestHost] = field(default_factory=list, init=False)
+    # Daemons a caller started in the hosts' namespaces that reset() must leave running (a Slurm cluster's slurmd).
+    keep: set[int] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -210,6 +212,33 @@ class TestCluster:
             with contextlib.suppress(Exception):
                 handle.close()
         self._log_files.clear()
+
+    def reset(self) -> list[str]:
+        """Return the hosts to what ``start`` left, for the next test that shares them; returns what it removed.
+
+        Every container is removed, and every process in a host's network namespace is killed except the
+        host's own daemons (its sshd listener, its dockerd and the containerd dockerd runs, and the pids in
+        ``keep``): so a job a test left running, a rank, a supervisor or a stray ``sleep``, is gone before
+        the next test starts. iptables rules a test added in a host's namespace are flushed too.
+        """
+        removed = []
+        for host in self.hosts:
+            if host.docker_host:
+                listed = _run(["docker", "-H", host.docker_host, "ps", "--all", "--quiet"], check=False).stdout.split()
+                if listed:
+                    _run(["docker", "-H", host.docker_host, "rm", "--force", *listed], check=False, timeout=120)
+                    removed += [f"{host.name}: container {c}" for c in listed]
+            daemons = {pid for pid in (host.sshd_pid, host.dockerd_pid) if pid is not None} | self.keep
+            daemons |= {pid for pid, parent in _parents().items() if parent == host.dockerd_pid}  # containerd
+            for pid in map(int, _run(["ip", "netns", "pids", host.netns], check=False).stdout.split()):
+                if pid in daemons:
+                    continue
+                comm = _comm(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    removed.append(f"{host.name}: pid {pid} ({comm})")
+            self.run_in(host, ["iptables", "-F"], check=False)
+        return removed
 
     # -- network --------------------------------------------------------------
     def _make_network(self) -> None:
@@ -603,6 +632,22 @@ def _unmount_under(root: Path) -> None:
     targets = [t for t in (line.split()[1] for line in mounts) if t == str(root) or t.startswith(f"{root}/")]
     for target in sorted(targets, key=len, reverse=True):
         subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent pid, from /proc."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            found[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def _start_time(pid: int) -> str | None:

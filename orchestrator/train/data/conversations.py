@@ -37,14 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ...errors import InputError
+from ...planning.datarows import ROLES, DataError, to_messages
+
+__all__ = ["IGNORE", "ROLES", "Conversation", "DataError", "Encoded", "encode", "encode_all", "read_conversations"]
 
 IGNORE = -100
-ROLES = ("system", "user", "assistant")
-
-
-class DataError(InputError):
-    """A data row is malformed; the message starts with ``file:row N:``."""
 
 
 @dataclass(frozen=True)
@@ -114,60 +111,7 @@ class _Malformed:
 def _to_conversation(row: Any, fmt: str, where: str) -> Conversation:
     if isinstance(row, _Malformed):
         raise DataError(f"{where}: {row.reason}")
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if fmt == "alpaca":
-        return Conversation(_alpaca_messages(row, where), where)
-    return Conversation(_chat_messages(row, where), where)
-
-
-def _text(row: dict[str, Any], key: str, where: str, *, required: bool) -> str:
-    value = row.get(key)
-    if value is None:
-        if required:
-            hint = (
-                "" if key not in ("instruction", "output") or "messages" not in row else "; set data.format: messages"
-            )
-            raise DataError(f"{where}: missing key {key!r}{hint}")
-        return ""
-    if not isinstance(value, str):
-        raise DataError(f"{where}: {key!r} must be text, got {type(value).__name__}")
-    return value
-
-
-def _alpaca_messages(row: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
-    instruction = _text(row, "instruction", where, required=True)
-    extra = _text(row, "input", where, required=False)
-    output = _text(row, "output", where, required=True)
-    if not instruction.strip():
-        raise DataError(f"{where}: 'instruction' is empty")
-    if not output.strip():
-        raise DataError(f"{where}: 'output' is empty: nothing to learn from this row")
-    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    return (("user", user), ("assistant", output))
-
-
-def _chat_messages(row: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
-    messages = row.get("messages")
-    if messages is None:
-        hint = "; set data.format: alpaca" if "instruction" in row else ""
-        raise DataError(f"{where}: missing key 'messages'{hint}")
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list")
-    out = []
-    for index, message in enumerate(messages):
-        at = f"{where}: messages[{index}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{at}: expected an object with role and content")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise DataError(f"{at}: role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise DataError(f"{at}: content must be text, got {type(content).__name__}")
-        out.append((role, content))
-    if not any(role == "assistant" and content.strip() for role, content in out):
-        raise DataError(f"{where}: no assistant turn with text: nothing to learn from this row")
-    return tuple(out)
+    return Conversation(to_messages(row, fmt, where), where)
 
 
 def plain_render(messages: list[dict[str, str]], eos: str, add_generation_prompt: bool = False) -> str:

@@ -99,10 +99,8 @@ def write_json(path: Path, value: Any) -> None:
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        body = backend.to_str()
-    else:  # a slow tokenizer: its vocabulary stands for it
-        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    # A fast tokenizer's whole serialization; a slow one's vocabulary stands for it.
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return {
         "tokenizer": hashlib.sha256(body.encode("utf-8")).hexdigest(),
         "chat_template": str(getattr(tokenizer, "chat_template", None) or ""),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.train.data import conversations, packing  # noqa: E402
+from orchestrator.train.data import conversations, packing
 
 
 def reference_rows(path: Path, fmt: str, on_error: str, tokenizer, max_seq_len: int, packed: bool, seed: int):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reference_data import reference_rows
 
 from orchestrator.errors import InputError, RuntimeFailure
 from orchestrator.planning import datafiles
@@ -24,7 +25,6 @@ from orchestrator.planning.inputs import read_inputs
 from orchestrator.spec.job import load_job
 from orchestrator.train.data import cache, prepare
 from orchestrator.train.data.tokenizer import build_byte_level_tokenizer
-from reference_data import reference_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "jobs" / "data" / "tiny-alpaca-zh.jsonl"
@@ -173,7 +173,7 @@ def _conversation_rows():
                 {"from": "human", "value": f"{i}+1?"},
                 {"from": "gpt", "value": f"{i + 1}"},
             ]
-        }  # fmt: skip
+        }
         for i in range(6)
     ]
 
@@ -348,7 +348,7 @@ def test_old_and_new_data_forms_load(tmp_path):
         ("a.jsonl", "sharegpt", 1.0),
         ("hf:o/n", "sharegpt", 2.0),
     ]
-    with pytest.raises(InputError, match="give data.path .* or data.sources .*, not both"):
+    with pytest.raises(InputError, match=r"give data.path .* or data.sources .*, not both"):
         _job(tmp_path, {"path": "a.jsonl", "sources": [{"path": "b.jsonl"}]})
     with pytest.raises(InputError, match="'prompt' is not a field of format messages"):
         _job(tmp_path, {"path": "a.jsonl", "format": "messages", "columns": {"prompt": "q"}})
@@ -367,3 +367,21 @@ def test_prune_keeps_the_three_most_recent_and_spares_recent_use(tmp_path):
     # Kept: k4 (current), k0 (used a minute ago), k3; k2 and k1 are older and unused for hours.
     assert sorted(removed) == ["k1", "k2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k0", "k3", "k4"]
+
+
+def test_planner_counts_the_data_once_per_node_and_a_private_allowance_per_rank(tmp_path):
+    from orchestrator.planning.memory.estimate import DATA_RANK_PRIVATE_GIB, GIB
+    from orchestrator.planning.memory.fromjob import plan_for_job
+
+    inputs = read_inputs(load_job(JOB))
+    size = SAMPLE.stat().st_size
+    assert inputs.shipped[0].size == size
+    small, large = (plan_for_job(inputs, [slots], gpu_mem_gib=None, host_mem_gib=None)[0] for slots in (2, 8))
+    once = dict(small.hardware.data_terms)
+    assert once["data cache pages (page cache, once per node)"] == 2 * size
+    assert small.estimate.host_terms_per_rank["data (mapped cache, private)"] == int(DATA_RANK_PRIVATE_GIB * GIB)
+    # Per node: each rank's terms times the ranks, and the data's node terms once (not per rank).
+    for plan, slots in ((small, 2), (large, 8)):
+        per_rank = plan.estimate.host_per_rank + plan.estimate.gpu_peak  # CPU ranks hold their "GPU" terms too
+        assert plan.host_per_node[0] == slots * per_rank + sum(once.values())
+    assert set(small.to_dict(None)["breakdown"]["host_per_node_once"]) == set(once)

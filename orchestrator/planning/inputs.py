@@ -11,7 +11,7 @@ use afterwards: none of them reads the job's files again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class ShippedData:
     index: int  # its place in data.sources (0 for data.path)
     local: Path  # here
     name: str  # relative to the job directory on the nodes: data/<file> (data.sources: data/<index>-<file>)
+    size: int = 0  # bytes (the planner counts the mapped cache's pages from it)
 
 
 def read_inputs(job: LoadedJob) -> JobInputs:
@@ -123,6 +124,7 @@ def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
     """Every shipped source is a readable file here whose first rows are in its format. Returns them."""
     shipped = shipped_data(job)
     sources = job.spec.data.all_sources()
+    checked = []
     for item in shipped:
         where = _source_key(job, item.index)
         data_file = item.local
@@ -137,6 +139,7 @@ def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
                 with data_file.open("rb"):
                     pass
                 check_first_rows(job, sources[item.index], data_file, where)
+                checked.append(replace(item, size=data_file.stat().st_size))
                 continue
             except OSError as exc:
                 problem = f"cannot be read ({exc.strerror})"
@@ -146,7 +149,7 @@ def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
             "hf:ORG/NAME for a Hugging Face dataset in the nodes' cache, "
             "or synthetic:random (random full-length rows, to measure throughput)",
         )
-    return shipped
+    return tuple(checked)
 
 
 def _source_key(job: LoadedJob, index: int) -> str:

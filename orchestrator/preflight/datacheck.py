@@ -153,4 +153,3 @@ def check_data(conn: Connection, ctx, host_env: dict[str, str] | None = None) ->
     if problems:
         return [fail("data", "; ".join(p for p, _ in problems), problems[0][1])]
     return [ok("data", "; ".join(details))] if details else []
-

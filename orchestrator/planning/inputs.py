@@ -131,7 +131,7 @@ def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
         if not data_file.exists():
             problem = "no such file"
         elif data_file.is_dir():
-            problem = "is a folder: a save_to_disk folder is read on the nodes, so give its absolute path there"
+            problem = "is not a file but a folder (a save_to_disk folder is read on the nodes: give its absolute path)"
         elif not data_file.is_file():
             problem = "is not a file"
         else:

@@ -5,9 +5,10 @@ in chunks of ``CHUNK``, encoded by a pool of worker processes (one per core: the
 other ranks are waiting meanwhile), and each encoded chunk is appended to the files at
 once. What stays in memory grows with the number of examples, not tokens: a length (4
 bytes) and a source index (2 bytes) per example, plus the packer's lists at the end
-(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding itself is today's
-``conversations.encode``, row by row, so the tokens and labels are exactly those of the
-in-memory path; so is the packing (``packing.pack`` on the same lengths and seed).
+(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding is today's
+``conversations.encode`` with the tokenizer called once per chunk (``encode_batch``), so the
+tokens and labels are exactly those of the in-memory path (tests/test_data_cache.py holds
+them to it); so is the packing (``packing.pack`` on the same lengths and seed).
 
 Files (all raw little-endian arrays, described in the manifest):
 
@@ -36,7 +37,7 @@ import numpy as np
 from ...planning.datafiles import Malformed
 from ...planning.datarows import DataError, to_messages
 from . import packing, sources
-from .conversations import IGNORE, Conversation, encode
+from .conversations import IGNORE, Conversation, renderer
 from .mix import mix_counts
 
 CHUNK = 256  # conversations per task handed to a worker
@@ -88,23 +89,80 @@ def token_dtype(vocab_size: int) -> tuple[np.dtype, int]:
 _WORKER: dict[str, Any] = {}
 
 
+def encode_batch(
+    conversations: list[Conversation], tokenizer: Any, max_len: int
+) -> list[tuple[list[int], list[int], int]]:
+    """``conversations.encode`` of each conversation, with one tokenizer call for the whole batch.
+
+    The same renderings, spans and pieces as ``encode`` (so the same ids and labels: each piece
+    is tokenized on its own either way), minus its per-call overhead: the pieces of every
+    conversation go to the tokenizer's batch encoder at once, and the last assistant turn's
+    rendering is the full one (rendering the whole conversation twice gave the same text).
+    """
+    render = renderer(tokenizer)
+    pieces: list[str] = []
+    plans: list[tuple[list[tuple[int, bool]], int]] = []
+    for conversation in conversations:
+        messages = [{"role": role, "content": content} for role, content in conversation.messages]
+        full = render(messages, False)
+        spans: list[tuple[int, int]] = []
+        untrained = 0
+        last = len(messages) - 1
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prefix = render(messages[:index], True)
+            upto = full if index == last else render(messages[: index + 1], False)
+            if upto.startswith(prefix) and full.startswith(upto) and len(upto) > len(prefix):
+                spans.append((len(prefix), len(upto)))
+            else:
+                untrained += 1
+        segments: list[tuple[int, bool]] = []
+        cursor = 0
+        for start, end in spans:
+            for piece, trained in ((full[cursor:start], False), (full[start:end], True)):
+                if piece:
+                    segments.append((len(pieces), trained))
+                    pieces.append(piece)
+            cursor = end
+        if full[cursor:]:
+            segments.append((len(pieces), False))
+            pieces.append(full[cursor:])
+        plans.append((segments, untrained))
+    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
+    out = []
+    for segments, untrained in plans:
+        ids: list[int] = []
+        labels: list[int] = []
+        for index, trained in segments:
+            piece_ids = encoded[index]
+            ids.extend(piece_ids)
+            labels.extend(piece_ids if trained else [IGNORE] * len(piece_ids))
+        out.append((ids[:max_len], labels[:max_len], untrained))
+    return out
+
+
 def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, int]:
     tokenizer, max_len, dtype, bit = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER["dtype"], _WORKER["bit"]
     pieces: list[np.ndarray] = []
     lengths: list[int] = []
     truncated = untrained = 0
-    for conversation in conversations:
-        ids, labels, skipped_turns = encode(conversation, tokenizer, max_len)
+    for ids, labels, skipped_turns in encode_batch(conversations, tokenizer, max_len):
         untrained += skipped_turns
-        if all(label == IGNORE for label in labels):
-            truncated += 1
-            continue
         values = np.asarray(ids, dtype=np.int64)
         trained = np.asarray(labels, dtype=np.int64) != IGNORE
+        if not trained.any():
+            truncated += 1
+            continue
         pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
         lengths.append(len(ids))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
     return tokens, np.asarray(lengths, dtype=np.int64), truncated, untrained
+
+
+def _quiet_tokenizer() -> None:
+    # One worker per core already: the tokenizer's own threads would only contend with the others.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 class _Done:
@@ -147,7 +205,7 @@ def build(
     workers = worker_count() if workers is None else workers
     _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit)
     # fork: the workers inherit the tokenizer as it is (no pickling, no re-import of transformers).
-    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    pool = multiprocessing.get_context("fork").Pool(workers, _quiet_tokenizer) if workers > 1 else None
     lengths = array("q")
     source_of = array("H")
     skipped_lines: list[str] = []

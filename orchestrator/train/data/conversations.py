@@ -152,7 +152,7 @@ def encode_all(conversations: list[Conversation], tokenizer: Any, max_len: int) 
 def encode(conversation: Conversation, tokenizer: Any, max_len: int) -> tuple[list[int], list[int], int]:
     """Token ids and labels (-100 outside assistant turns), cut to ``max_len``; plus untrained turns."""
     messages = [{"role": role, "content": content} for role, content in conversation.messages]
-    render = _renderer(tokenizer)
+    render = renderer(tokenizer)
     full = render(messages, False)
     # Character spans of the assistant turns within the full rendering.
     spans: list[tuple[int, int]] = []
@@ -185,7 +185,8 @@ def encode(conversation: Conversation, tokenizer: Any, max_len: int) -> tuple[li
     return ids[:max_len], labels[:max_len], untrained
 
 
-def _renderer(tokenizer: Any):
+def renderer(tokenizer: Any):
+    """``render(messages, add_generation_prompt) -> text``: the chat template, else the plain one."""
     if getattr(tokenizer, "chat_template", None):
 
         def render(messages: list[dict[str, str]], generation_prompt: bool) -> str:

@@ -385,3 +385,14 @@ def test_planner_counts_the_data_once_per_node_and_a_private_allowance_per_rank(
         per_rank = plan.estimate.host_per_rank + plan.estimate.gpu_peak  # CPU ranks hold their "GPU" terms too
         assert plan.host_per_node[0] == slots * per_rank + sum(once.values())
     assert set(small.to_dict(None)["breakdown"]["host_per_node_once"]) == set(once)
+
+
+def test_a_data_cache_dir_is_mounted_into_each_nodes_container():
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.spec.hostfile import Node
+
+    job = load_job(ROOT / "jobs" / "qwen72b.yaml", ["data.cache_dir=/scratch/{host}/dzctl-data"])
+    plan = make_plan(job.spec, [Node("gpu-a", (0, 1, 2, 3)), Node("gpu-b", (0, 1, 2, 3))], "j-1")
+    for node in plan.nodes:
+        volume = f"/scratch/{node.host}/dzctl-data:/scratch/{node.host}/dzctl-data:rw"
+        assert volume in node.argv and node.argv[node.argv.index(volume) - 1] == "--volume"

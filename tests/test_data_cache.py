@@ -396,3 +396,29 @@ def test_a_data_cache_dir_is_mounted_into_each_nodes_container():
     for node in plan.nodes:
         volume = f"/scratch/{node.host}/dzctl-data:/scratch/{node.host}/dzctl-data:rw"
         assert volume in node.argv and node.argv[node.argv.index(volume) - 1] == "--volume"
+
+
+def test_the_live_view_shows_the_builds_rate_and_eta_then_cached():
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.observe.view import render
+    from orchestrator.observe.watchstate import JobWatch, NodeView
+
+    def text(watch: JobWatch) -> str:
+        console = Console(file=io.StringIO(), width=120, color_system=None)
+        console.print(render(watch, now=20.0))
+        return console.file.getvalue()
+
+    watch = JobWatch("j", "j-1", [NodeView(0, "node0", 2)], started_at=0.0, accelerator="cpu")
+    for second, rows in ((5.0, 12_000), (10.0, 25_000)):
+        line = (
+            f"[rank0]:dzctl-train: data: building: {rows:,} rows read (source 1 (train.json)), 2,500 rows/s, eta 6m00s"
+        )
+        watch.feed(0, line, second)
+    assert "latest: dzctl-train: data: building: 25,000 rows read (source 1 (train.json)), 2,500 rows/s, eta 6m00s" in (
+        text(watch)
+    )
+    watch.feed(0, "[rank0]:dzctl-train: data: cached: mapped 1,000,000 examples (700,000,000 tokens) in 2.1 s", 12.0)
+    assert "latest: dzctl-train: data: cached: mapped 1,000,000 examples" in text(watch)

@@ -261,7 +261,10 @@ def main() -> int:
                 ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), args.before], check=True
             )
         checkouts["today"] = before
-    results: dict = {"machine": {"cpus": os.cpu_count(), "before": args.before}, "runs": []}
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    results: dict = {"machine": {"cpus": os.cpu_count(), "before": args.before, "new": commit}, "runs": []}
     lines = []
 
     def save() -> None:

@@ -1,15 +1,10 @@
-"""Training data: alpaca or ``messages`` rows → token ids with labels on the responses only.
+"""Training data: a conversation → token ids with labels on the responses only.
 
-Pure Python (the tokenizer is passed in), so it is tested without torch.
-
-Formats (``data.format``):
-
-- ``alpaca``: a JSON array (``.json``) or JSON lines (``.jsonl``) of objects with
-  ``instruction`` (text), optional ``input`` (text), ``output`` (text), as in
-  alpaca-gpt4-data-zh. Other keys are ignored. The user turn is the instruction,
-  followed by a blank line and the input when there is one.
-- ``messages``: JSON lines of ``{"messages": [{"role": "system"|"user"|"assistant",
-  "content": text}, ...]}`` with at least one assistant turn.
+Pure Python (the tokenizer is passed in), so it is tested without torch. The row formats
+(``data.format``: alpaca with system and history, messages, sharegpt, ``data.columns``) are
+``orchestrator/planning/datarows.py``; ``read_conversations`` and ``encode_all`` are the
+in-memory path that read, encoded and packed a whole file on every rank before the per-node
+cache (``prepare.py``), kept as the reference the cache is tested against.
 
 Rendering: the tokenizer's chat template when it has one, else this plain template
 (``{eos}`` is the tokenizer's end-of-sequence token)::

@@ -22,6 +22,7 @@ Files (all raw little-endian arrays, described in the manifest):
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -205,7 +206,11 @@ def build(
     workers = worker_count() if workers is None else workers
     _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit)
     # fork: the workers inherit the tokenizer as it is (no pickling, no re-import of transformers).
+    # gc.freeze: the workers' collector then never walks (and so never copies) the objects they share
+    # with this rank through fork (torch, transformers, the tokenizer): their pages stay shared.
+    gc.freeze()
     pool = multiprocessing.get_context("fork").Pool(workers, _quiet_tokenizer) if workers > 1 else None
+    gc.unfreeze()
     lengths = array("q")
     source_of = array("H")
     skipped_lines: list[str] = []

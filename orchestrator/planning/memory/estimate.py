@@ -82,14 +82,15 @@ HOST_RESERVE_FRACTION = 0.10
 
 # Training data (orchestrator/train/data/): each rank maps the node's cache read-only, so its
 # own (private) memory for the data is what a micro-batch decodes plus the index pages only it
-# touched; benchmarks/results/data-scale-20261202 measured at most 0.02 GiB more per rank at
-# 1 M rows than at 1 k. The allowance keeps a margin for longer runs touching more pages.
+# touched; benchmarks/results/data-scale-20261202 measured at most 0.03 GiB more per rank at
+# 1 M rows than at 1 k. The allowance keeps a margin for long runs touching more pages.
 DATA_RANK_PRIVATE_GIB = 0.25
 # The node's builder (local rank 0, before the model loads) at its peak: the rank itself
-# (bounded by streaming; the bar is 2 GiB) and each worker of its pool (the
-# tokenizer and a chunk's lists, ~0.06 GiB measured), at most data/build.py's MAX_WORKERS.
+# (bounded by streaming; measured 0.48 GiB at 1 M rows, the bar is 2 GiB) and each
+# worker of its pool (measured 0.08 GiB a worker; 0.15 for longer rows and larger
+# tokenizers), at most data/build.py's MAX_WORKERS.
 DATA_BUILDER_GIB = 2.0
-DATA_WORKER_GIB = 0.1
+DATA_WORKER_GIB = 0.15
 DATA_MAX_WORKERS = 32
 # The mapped cache's pages, counted once per node (page cache): ids of 2 or 4 bytes for
 # tokens of 1 to 4 characters, at most about twice the bytes of the data files.

@@ -43,7 +43,7 @@ from .mix import mix_counts
 
 CHUNK = 256  # conversations per task handed to a worker
 PROGRESS_EVERY_S = 5.0
-MAX_WORKERS = 64
+MAX_WORKERS = 32  # a bound the planner counts with (planning/memory/estimate.py DATA_MAX_WORKERS)
 
 
 @dataclass(frozen=True)

@@ -422,3 +422,20 @@ def test_the_live_view_shows_the_builds_rate_and_eta_then_cached():
     )
     watch.feed(0, "[rank0]:dzctl-train: data: cached: mapped 1,000,000 examples (700,000,000 tokens) in 2.1 s", 12.0)
     assert "latest: dzctl-train: data: cached: mapped 1,000,000 examples" in text(watch)
+
+
+def test_on_error_skip_builds_from_the_good_rows_and_lists_the_bad(tmp_path, tokenizer):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\nnot json\n\n{"instruction": "c"}\n', encoding="utf-8")
+    loaded = _job(tmp_path, {"path": str(path), "on_error": "skip"})
+    prepared = _prepare(loaded, tokenizer, tmp_path)
+    want = reference_rows(path, "alpaca", "skip", tokenizer, loaded.spec.train.max_seq_len, False, 0)
+    assert _rows(prepared) == want and len(want) == 1
+    from orchestrator.train.run import data_summary
+
+    lines = data_summary(prepared.data.info, loaded.spec.train.max_seq_len, False)
+    assert lines[:2] == [
+        f"skipped row: {path}:row 2: not valid JSON: Expecting value (column 1)",
+        f"skipped row: {path}:row 4: missing key 'output'",
+    ]
+    assert "1 examples, 2 rows skipped" in lines[2]

@@ -439,3 +439,29 @@ def test_on_error_skip_builds_from_the_good_rows_and_lists_the_bad(tmp_path, tok
         f"skipped row: {path}:row 4: missing key 'output'",
     ]
     assert "1 examples, 2 rows skipped" in lines[2]
+
+
+def test_each_shipped_source_gets_its_node_path_and_keeps_the_users_name(tmp_path):
+    from orchestrator.backends.jobfiles import node_spec
+    from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.planning.resolve import resolve_job
+    from orchestrator.spec.hostfile import load_nodes
+
+    (tmp_path / "sets").mkdir()
+    for name in ("a.jsonl", "sets/a.jsonl"):  # the same file name twice: each keeps its own copy
+        (tmp_path / name).write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
+    sources = [{"path": "a.jsonl"}, {"path": "sets/a.jsonl", "weight": 2}, {"path": "/shared/c.parquet"}]
+    inputs = read_inputs(_job(tmp_path, {"sources": sources}, "runtime=process"))
+    assert [(s.index, s.name) for s in inputs.shipped] == [(0, "data/0-a.jsonl"), (1, "data/1-a.jsonl")]
+    nodes = load_nodes(tmp_path / "hosts.txt")
+    memory, ds_config = memory_choice(inputs, nodes, None, None)
+    plan = make_plan(inputs.spec, nodes, "j-20260101-0000-abcd")
+    written = node_spec(resolve_job(inputs, nodes, memory, ds_config, plan, None), plan.nodes[0])["data"]["sources"]
+    job_dir = plan.nodes[0].job_dir
+    assert [(s["path"], s["shipped_from"]) for s in written] == [
+        (f"{job_dir}/data/0-a.jsonl", "a.jsonl"),
+        (f"{job_dir}/data/1-a.jsonl", "sets/a.jsonl"),
+        ("/shared/c.parquet", None),  # on the nodes already: read where it is
+    ]

@@ -137,7 +137,7 @@ def test_json_array_file(tmp_path):
         ('["i", "o"]', "row 2: expected a JSON object, got list"),
         (
             '{"messages": [{"role": "user", "content": "x"}]}',
-            "row 2: missing key 'instruction'; set data.format: messages",
+            "row 2: missing key 'instruction'; the row has 'messages': set data.format: messages",
         ),
     ],
 )
@@ -156,7 +156,10 @@ def test_malformed_alpaca_row_names_file_and_row(tmp_path, line, message):
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0]: role must be one of system, user, assistant"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0]: content must be text, got NoneType"),
         ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn with text"),
-        ({"instruction": "i", "output": "o"}, "missing key 'messages'; set data.format: alpaca"),
+        (
+            {"instruction": "i", "output": "o"},
+            "missing key 'messages'; the row has 'instruction': set data.format: alpaca",
+        ),
     ],
 )
 def test_malformed_messages_row(tmp_path, row, message):

@@ -113,3 +113,18 @@ def test_synthetic_data_launches_with_nothing_to_ship(cluster, tmp_path):
         assert len(job_dirs) == 1, job_dirs
         assert not (job_dirs[0] / "data").exists(), "synthetic data ships no file"
         assert "path: synthetic:random" in (job_dirs[0] / "job.yaml").read_text()
+
+
+def test_a_format_mismatch_is_refused_before_the_hosts(cluster, tmp_path):
+    hosts = cluster(1)
+    rows = [{"conversations": [{"from": "human", "value": "你好"}, {"from": "gpt", "value": "你好！"}]}] * 3
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
+    before = _sshd_connections(hosts)
+    done = _launch(hosts, tmp_path, "chat.jsonl", "--detach")
+    assert done.returncode == 2, done.stderr
+    assert (
+        "data.path: chat.jsonl:row 1: missing key 'instruction'; the row has 'conversations': set data.format: sharegpt"
+        in done.stderr
+    ), done.stderr
+    assert _sshd_connections(hosts) == before
+    assert _recorded_jobs(tmp_path / "home") == []

@@ -63,9 +63,11 @@ def two_runs(tmp_path_factory):
     output = tmp_path_factory.mktemp("train") / "out"
     first = train(output, "train.max_steps=6", "train.save_steps=3")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    assert "dzctl-train: data: building cache" in first.stdout
     first_events = read_events(output / "progress.jsonl")
     second = train(output, "train.max_steps=8", "train.save_steps=3", "train.resume=auto")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert "dzctl-train: data: cached: mapped 72 examples" in second.stdout  # the resume maps, builds nothing
     all_events = read_events(output / "progress.jsonl")
     return output, first_events, all_events[len(first_events) :]
 
@@ -79,6 +81,18 @@ def test_loss_falls(two_runs):
     losses = [e["loss"] for e in _steps(first)]
     assert len(losses) == 6
     assert sum(losses[:2]) / 2 - sum(losses[-2:]) / 2 > 0.5, losses
+
+
+def test_same_losses_as_todays_data_path(two_runs, tmp_path):
+    """The per-node cache trains exactly like the in-memory path it replaced (tests/reference_data.py)."""
+    _, first, _ = two_runs
+    reference = train(
+        tmp_path / "out", "train.max_steps=6", "train.save_steps=3", script=ROOT / "tests" / "reference_data.py"
+    )
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-5000:]
+    assert "data: building cache" not in reference.stdout  # it really ran the old path
+    expected = [e["loss"] for e in _steps(read_events(tmp_path / "out" / "progress.jsonl"))]
+    assert [e["loss"] for e in _steps(first)] == expected
 
 
 def test_progress_events(two_runs):

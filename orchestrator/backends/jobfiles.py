@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
@@ -41,8 +40,11 @@ def node_spec(job: ResolvedJob, node: NodePlan) -> dict:
     data["train"]["output_dir"] = node.output_dir
     if job.output_storage is not None:
         data["train"]["output_storage"] = job.output_storage
-    if job.inputs.data_file is not None:
-        data["data"]["path"] = f"{job_dir}/data/{Path(spec.data.path).name}"
+    for item in job.inputs.shipped:
+        # The node reads its copy; errors name the user's file (shipped_from), not the copy.
+        target = data["data"] if spec.data.sources is None else data["data"]["sources"][item.index]
+        target["shipped_from"] = target["path"]
+        target["path"] = f"{job_dir}/{item.name}"
     settings = job.settings
     data["train"]["micro_batch_size"] = settings.micro_batch_size
     data["train"]["gradient_checkpointing"] = settings.gradient_checkpointing

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import InputError, RemoteError, RuntimeFailure
 from ..observe.hosts import gather_status, stop_nodes
@@ -87,7 +86,7 @@ def refuse_or_replace_running(job: LoadedJob, store: JobStore, pool: HostPool, *
 
 def upload(job: ResolvedJob, files: dict[int, list[JobFile]], pool: HostPool) -> None:
     plan = job.plan
-    data_file = job.inputs.data_file  # checked before any host was touched (inputs.check_data_file)
+    shipped = job.inputs.shipped  # checked before any host was touched (inputs.check_data_sources)
 
     def one(conn) -> None:
         node = next(n for n in plan.nodes if n.host == conn.host)
@@ -95,9 +94,10 @@ def upload(job: ResolvedJob, files: dict[int, list[JobFile]], pool: HostPool) ->
         conn.mkdir(node.output_dir)
         for item in files[node.node_rank]:
             conn.put(item.content, f"{node.job_dir}/{item.name}", mode=item.mode)
-        if data_file is not None:
+        if shipped:
             conn.mkdir(f"{node.job_dir}/data")
-            conn.put(str(data_file), f"{node.job_dir}/data/{Path(job.spec.data.path).name}", mode=0o644)
+        for item in shipped:
+            conn.put(str(item.local), f"{node.job_dir}/{item.name}", mode=0o644)
 
     outcomes = pool.map(one)
     failed = outcomes.failed

@@ -113,6 +113,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
     if cpu:
         lines.append(f"  {'ranks (the terms above)':40s}{_g(est.gpu_peak * ranks)}")
     lines += [f"  {name:40s}{_g(value * ranks)}" for name, value in est.host_terms_per_rank.items()]
+    lines += [f"  {name:40s}{_g(value)}" for name, value in hw.data_terms]  # once per node
     lines.append(f"  {'total':40s}{_g(max(plan.host_per_node))}")
     lines += _nvme_lines(plan)
     lines.append("")

@@ -11,13 +11,14 @@ use afterwards: none of them reads the job's files again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..spec.job import SYNTHETIC_DATA, JobSpec, LoadedJob, is_secret_name, read_env_file
-from . import fusedloss
+from ..spec.job import HUB_PREFIX, DataSource, JobSpec, LoadedJob, is_secret_name, read_env_file
+from . import datafiles, fusedloss
+from .datarows import DataError, to_messages
 from .dsconfig import load_user_config
 from .fusedloss import FusedLoss
 from .packing import resolve_packing
@@ -30,7 +31,7 @@ class JobInputs:
 
     job: LoadedJob
     secrets: dict[str, str]  # name -> value: secret-named launch.env values and all of launch.env_file
-    data_file: Path | None  # the local data file shipped with the job (None: on the nodes, or synthetic)
+    shipped: tuple[ShippedData, ...]  # the local data files shipped with the job (none: on the nodes, or synthetic)
     user_ds_config: dict[str, Any] | None  # zero.config, read and checked (None: the spec names none)
     shape: ModelShape
     packing: bool  # train.packing, resolved
@@ -44,18 +45,33 @@ class JobInputs:
     def secret_names(self) -> tuple[str, ...]:
         return tuple(self.secrets)
 
+    @property
+    def data_file(self) -> Path | None:
+        """The first shipped data file (the one of ``data.path``)."""
+        return self.shipped[0].local if self.shipped else None
+
+
+@dataclass(frozen=True)
+class ShippedData:
+    """A data file next to the job file, copied into the job directory on every node."""
+
+    index: int  # its place in data.sources (0 for data.path)
+    local: Path  # here
+    name: str  # relative to the job directory on the nodes: data/<file> (data.sources: data/<index>-<file>)
+    size: int = 0  # bytes (the planner counts the mapped cache's pages from it)
+
 
 def read_inputs(job: LoadedJob) -> JobInputs:
     """Read and check every local input of ``job``; raise the input error a launch would otherwise meet later."""
     secrets = job_secrets(job)
-    data_file = check_data_file(job)
+    shipped = check_data_sources(job)
     user = load_user_config(job)  # zero.config: exists, JSON, stage 3
     shape = shape_for_job(job)  # the memory planner needs the model's shape: config.json, catalogue or model.config
     spec = job.spec
     return JobInputs(
         job=job,
         secrets=secrets,
-        data_file=data_file,
+        shipped=shipped,
         user_ds_config=user,
         shape=shape,
         packing=resolve_packing(spec),
@@ -82,31 +98,104 @@ def job_secrets(job: LoadedJob) -> dict[str, str]:
     return secret_env(job, env_file_values(job))
 
 
-def shipped_data(job: LoadedJob) -> Path | None:
-    """The local data file to ship with the job, or None if data.path lives on the nodes (or is synthetic)."""
-    if job.spec.data.path == SYNTHETIC_DATA or Path(job.spec.data.path).is_absolute():
-        return None
-    return job.resolve_local(job.spec.data.path)
+def is_node_side(path: str) -> bool:
+    """A source the nodes read where it is: an absolute path (shared storage) or a hub ID."""
+    return path.startswith(HUB_PREFIX) or Path(path).is_absolute()
 
 
-def check_data_file(job: LoadedJob) -> Path | None:
-    """A ``data.path`` relative to the job file is shipped: it must be a readable file here. Returns it."""
-    data_file = shipped_data(job)
-    if data_file is None:  # absolute: it lives on the nodes; or the synthetic source: nothing to ship
-        return None
-    where = job.where("data.path")
-    if not data_file.exists():
-        problem = "no such file"
-    elif not data_file.is_file():
-        problem = "is not a file"
-    else:
+def shipped_data(job: LoadedJob) -> tuple[ShippedData, ...]:
+    """The local data files to ship with the job: the sources given relative to the job file."""
+    if job.spec.data.synthetic:
+        return ()
+    many = job.spec.data.sources is not None
+    out = []
+    for index, source in enumerate(job.spec.data.all_sources()):
+        if is_node_side(source.path):
+            continue
+        local = job.resolve_local(source.path)
+        out.append(ShippedData(index, local, f"data/{index}-{local.name}" if many else f"data/{local.name}"))
+    return tuple(out)
+
+
+PEEK_ROWS = 5  # the rows of a local file read before any host is touched
+
+
+def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
+    """Every shipped source is a readable file here whose first rows are in its format. Returns them."""
+    shipped = shipped_data(job)
+    sources = job.spec.data.all_sources()
+    checked = []
+    for item in shipped:
+        where = _source_key(job, item.index)
+        data_file = item.local
+        if not data_file.exists():
+            problem = "no such file"
+        elif data_file.is_dir():
+            problem = "is not a file but a folder (a save_to_disk folder is read on the nodes: give its absolute path)"
+        elif not data_file.is_file():
+            problem = "is not a file"
+        else:
+            try:
+                with data_file.open("rb"):
+                    pass
+                check_first_rows(job, sources[item.index], data_file, where)
+                checked.append(replace(item, size=data_file.stat().st_size))
+                continue
+            except OSError as exc:
+                problem = f"cannot be read ({exc.strerror})"
+        raise InputError(
+            f"{where}: {data_file} {problem}",
+            fix="give a file next to the job file, an absolute path that exists on every node, "
+            "hf:ORG/NAME for a Hugging Face dataset in the nodes' cache, "
+            "or synthetic:random (random full-length rows, to measure throughput)",
+        )
+    return tuple(checked)
+
+
+def _source_key(job: LoadedJob, index: int) -> str:
+    if job.spec.data.sources is None:
+        return f"{job.where('data.path')}: data.path"
+    return f"{job.where(f'data.sources.{index}.path')}: data.sources[{index}].path"
+
+
+def check_first_rows(job: LoadedJob, source: DataSource, path: Path, where: str) -> None:
+    """The first rows must be in the source's format: a mismatch is refused here, naming the row and the fix."""
+    display = source.path
+    try:
+        rows = _first_rows(path, display)
+    except DataError as exc:
+        raise InputError(f"{where}: {exc.message}", fix=exc.fix) from None
+    if rows is None:
+        return
+    problems = []
+    for row_where, row in rows:
         try:
-            with data_file.open("rb"):
-                return data_file
-        except OSError as exc:
-            problem = f"cannot be read ({exc.strerror})"
-    raise InputError(
-        f"{where}: data.path: {data_file} {problem}",
-        fix="give a file next to the job file, an absolute path that exists on every node, "
-        "or synthetic:random (random full-length rows, to measure throughput)",
-    )
+            if isinstance(row, datafiles.Malformed):
+                raise DataError(f"{row_where}: {row.reason}")
+            to_messages(row, source.format or "alpaca", row_where, source.columns)
+        except DataError as exc:
+            problems.append(exc)
+    # data.on_error: skip passes over bad rows, but not over a file whose first rows all fail.
+    if problems and (job.spec.data.on_error == "fail" or len(problems) == len(rows)):
+        first = problems[0]
+        raise InputError(
+            f"{where}: {first.message}",
+            fix=first.fix or "fix the row, or set data.format (and data.columns) to what the file holds",
+        )
+    if not rows:
+        raise InputError(f"{where}: {display} has no rows", fix="give a data file with rows")
+
+
+def _first_rows(path: Path, display: str) -> list | None:
+    if path.suffix != ".parquet":
+        return datafiles.peek_rows(path, PEEK_ROWS, display)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # not a controller dependency: the nodes' builder checks every row anyway
+        return None
+    try:
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=PEEK_ROWS), None)
+    except Exception as exc:  # ArrowInvalid and friends: not a Parquet file
+        raise DataError(f"{display}: not a Parquet file ({exc})") from None
+    rows = batch.to_pylist() if batch is not None else []
+    return [(f"{display}:row {n}", row) for n, row in enumerate(rows, start=1)]

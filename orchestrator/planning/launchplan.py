@@ -153,8 +153,9 @@ def _plan_node(
         )
         name = container_name(job_id, rank)
         argv = _docker_run(
-            spec, job_id, rank, name, gpus, job_dir, output_dir, visible_env, bool(secrets), command, infiniband
-        )
+            spec, job_id, rank, name, gpus, job_dir, output_dir, visible_env, bool(secrets), command, infiniband,
+            data_cache_dir=spec.data.cache_dir.replace("{host}", node.host) if spec.data.cache_dir else None,
+        )  # fmt: skip
     else:
         command = _launcher(spec, num_nodes, rank, node.num_slots, master, f"{job_dir}/job.yaml", "process", entry)
         name = None
@@ -266,6 +267,7 @@ def _docker_run(
     has_secrets: bool,
     command: tuple[str, ...],
     infiniband: bool = False,
+    data_cache_dir: str | None = None,
 ) -> tuple[str, ...]:
     argv = ["docker", "run", "--detach", "--name", name]
     argv += ["--label", f"dzctl.job={spec.name}", "--label", f"dzctl.job-id={job_id}"]
@@ -292,6 +294,9 @@ def _docker_run(
     for mount in spec.launch.mounts:
         host_path, container_path, mode = parse_mount(mount)
         argv += ["--volume", f"{host_path}:{container_path}:{mode}"]
+    if data_cache_dir:
+        # data.cache_dir: the node's tokenized data, written by its builder (train/data/cache.py).
+        argv += ["--volume", f"{data_cache_dir}:{data_cache_dir}:rw"]
     if spec.zero.nvme_path:
         # ZeRO-Infinity swaps to the node's disk: the same path inside, as the DeepSpeed config names it.
         argv += ["--volume", f"{spec.zero.nvme_path}:{spec.zero.nvme_path}:rw"]

@@ -29,7 +29,7 @@ from ..transport.local import LocalConnection
 from ..transport.pool import HostPool
 from ..transport.results import Result
 from . import checks as c
-from . import nvme
+from . import datacheck, nvme
 from . import parsers as p
 from .model import Check, HostReport, PreflightReport, fail, ok, warn
 
@@ -40,6 +40,7 @@ CHECK_ORDER = (
     "master-port",
     "disk",
     "upload",
+    "data",
     "infiniband",
     "nvidia-smi",
     "docker",
@@ -223,7 +224,8 @@ def _node_checks(
     groups = [
         partial(c.safe, "hostname", c.check_identity, conn, ctx, facts, master_target),
         partial(c.safe, "disk", c.check_disk, conn, ctx),
-        partial(c.safe, "upload", c.check_upload, conn, ctx),
+        # The node-side data sources after the upload probe, on its channel (see datacheck.py).
+        lambda: c.safe("upload", c.check_upload, conn, ctx) + c.safe("data", datacheck.check_data, conn, ctx),
         partial(c.safe, "infiniband", c.check_infiniband, conn, ctx, facts),
     ]
     if ctx.gpu:

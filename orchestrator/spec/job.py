@@ -53,10 +53,104 @@ class ModelSpec(_Strict):
 SYNTHETIC_DATA = "synthetic:random"
 
 
-class DataSpec(_Strict):
+DataFormat = Literal["alpaca", "messages", "sharegpt"]
+# The fields each format reads; ``columns`` renames them (``{instruction: prompt}``: the instruction
+# is in the row's ``prompt`` column). The row formats themselves: orchestrator/planning/datarows.py.
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "alpaca": ("instruction", "input", "output", "system", "history"),
+    "messages": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value", "system"),
+}
+HUB_PREFIX = "hf:"
+
+
+def _check_columns(columns: dict[str, str], fmt: str) -> None:
+    known = FORMAT_FIELDS[fmt]
+    for name, column in columns.items():
+        if name not in known:
+            raise ValueError(f"columns: {name!r} is not a field of format {fmt} (its fields: {', '.join(known)})")
+        if not column:
+            raise ValueError(f"columns: {name!r} maps to an empty column name")
+
+
+class DataSource(_Strict):
+    """One data set of ``data.sources``: where it is, its format, its share of the mix."""
+
+    # A file (.json array, .jsonl, .parquet), a folder of ``datasets.save_to_disk``, or
+    # ``hf:ORG/NAME[:SPLIT]`` (read from the nodes' Hugging Face datasets cache).
     path: str = Field(min_length=1)
-    format: Literal["alpaca", "messages"] = "alpaca"
+    format: DataFormat | None = None  # None: data.format
+    columns: dict[str, str] | None = None  # None: data.columns
+    # The mix: each source's share of the rows is weight / sum(weights) (see train/data/mix.py).
+    weight: float = Field(1.0, gt=0)
+    max_rows: int | None = Field(None, ge=1)  # the first N rows of this source
+    # Written by ``dzctl launch`` into the job file it ships: the path as the user gave it,
+    # so that an error on the node names the user's file rather than the node's copy.
+    shipped_from: str | None = None
+
+
+class DataSpec(_Strict):
+    # One source (the first form, kept): data.path with data.format. Or several: data.sources.
+    path: str | None = Field(None, min_length=1)
+    format: DataFormat = "alpaca"
+    columns: dict[str, str] = Field(default_factory=dict)
+    max_rows: int | None = Field(None, ge=1)
     on_error: Literal["fail", "skip"] = "fail"
+    sources: list[DataSource] | None = Field(None, min_length=1)
+    shipped_from: str | None = None  # as DataSource.shipped_from, for data.path
+    # Where the nodes keep tokenized data (train/data/cache.py). None: <output_dir>/data-cache.
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> DataSpec:
+        if (self.path is None) == (self.sources is None):
+            raise ValueError(
+                "give data.path (one data set) or data.sources (a list of them, each with path:), not both"
+                if self.path
+                else "data.path is missing: give data.path (one data set) or data.sources (a list of them)"
+            )
+        if self.path == SYNTHETIC_DATA and (self.columns or self.max_rows):
+            raise ValueError("synthetic:random takes neither columns nor max_rows")
+        _check_columns(self.columns, self.format)
+        for source in self.sources or ():
+            if source.path == SYNTHETIC_DATA:
+                raise ValueError("synthetic:random is a data.path of its own, not one of data.sources")
+            _check_columns(source.columns or {}, source.format or self.format)
+        return self
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir_is_absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError("must be an absolute path on the nodes")
+        return value
+
+    @property
+    def synthetic(self) -> bool:
+        return self.path == SYNTHETIC_DATA
+
+    def all_sources(self) -> list[DataSource]:
+        """Every source with data.format / data.columns filled in (``data.path`` is one source)."""
+        if self.sources is None:
+            assert self.path is not None
+            return [
+                DataSource(
+                    path=self.path,
+                    format=self.format,
+                    columns=dict(self.columns),
+                    max_rows=self.max_rows,
+                    shipped_from=self.shipped_from,
+                )
+            ]
+        return [
+            s.model_copy(
+                update={
+                    "format": s.format or self.format,
+                    "columns": dict(self.columns if s.columns is None else s.columns),
+                }
+            )
+            for s in self.sources
+        ]
 
 
 # Attention and MLP projections of the Llama/Qwen/Mistral families (HF module names).

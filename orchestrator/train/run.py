@@ -36,9 +36,9 @@ from ..errors import InputError
 from ..planning import dsconfig, fusedloss
 from ..planning.packing import resolve_packing
 from ..planning.trackers import tracker_env
-from ..spec.job import SYNTHETIC_DATA, LoadedJob
+from ..spec.job import LoadedJob
 from . import checkpoints, gang
-from .data import conversations, packing
+from .data import conversations, prepare
 from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
 from .model import attention, lora, loss
@@ -213,17 +213,6 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         remove_unused_columns=False,
         dataloader_num_workers=0,
     )
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, examples: list[dict[str, list[int]]]) -> None:
-        self.examples = examples
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.examples[index]
 
 
 class SyntheticDataset(torch.utils.data.Dataset):
@@ -477,41 +466,59 @@ def resolve_fused_loss(loaded: LoadedJob, config) -> str:
 
 def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
     spec = loaded.spec
-    if spec.data.path == SYNTHETIC_DATA:
+    if spec.data.synthetic:
         if settings.packing and ranks.rank == 0:
             print("dzctl-train: packing does not apply to synthetic:random (its rows are full)", flush=True)
         steps = spec.train.max_steps if spec.train.max_steps > 0 else 100
         rows = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
         return SyntheticDataset(rows, spec.train.max_seq_len, vocab_size, spec.train.seed)
-    path = loaded.resolve_local(spec.data.path)
-    report = conversations.read_conversations(path, spec.data.format, spec.data.on_error)
-    encoded = conversations.encode_all(report.conversations, tokenizer, spec.train.max_seq_len)
+    # One builder per node writes the tokenized, packed data once; every rank maps it (data/prepare.py).
+    prepared = prepare.prepare(
+        loaded,
+        tokenizer,
+        packing=settings.packing,
+        local_rank=ranks.local_rank,
+        cache_dir=prepare.cache_dir_for(loaded, settings.output_dir),
+        say=lambda text: print(f"dzctl-train: {text}", flush=True),
+    )
     if ranks.rank == 0:
-        for line in report.skipped[:20]:
-            print(f"dzctl-train: skipped row: {line}", flush=True)
-        print(
-            f"dzctl-train: data {path}: {len(encoded.examples)} examples, {len(report.skipped)} rows skipped, "
-            f"{encoded.truncated_away} dropped (responses past max_seq_len {spec.train.max_seq_len}), "
-            f"{encoded.untrained_turns} assistant turns left out of the loss",
-            flush=True,
+        for line in data_summary(prepared.data.info, spec.train.max_seq_len, settings.packing):
+            print(f"dzctl-train: {line}", flush=True)
+    return MappedDataset(prepared.data)
+
+
+def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[str]:
+    """The data lines of the log: the skipped rows, one line per source, the packing."""
+    lines = [f"skipped row: {line}" for line in info.get("skipped_lines", [])]
+    for source in info["sources"]:
+        share = ""
+        if len(info["sources"]) > 1:
+            share = f" weight {source['weight']:g}, {source['read']:,} of {source['available']:,} rows,"
+        lines.append(
+            f"data {source['label']}:{share} {source['examples']:,} examples, {source['skipped']} rows skipped, "
+            f"{source['truncated_away']} dropped (responses past max_seq_len {max_seq_len}), "
+            f"{source['untrained_turns']} assistant turns left out of the loss"
         )
-    if not encoded.examples:
-        raise conversations.DataError(
-            f"{path}: no example keeps a response within train.max_seq_len {spec.train.max_seq_len}"
+    if packed:
+        tokens, capacity = info["tokens"], info["capacity"]
+        lines.append(
+            f"data packed: {info['examples']} examples into {info['rows']} rows of {max_seq_len} tokens, packing "
+            f"efficiency {tokens / capacity:.1%} ({tokens} real tokens / {capacity} capacity)"
         )
-    if not settings.packing:
-        return ListDataset(encoded.examples)
-    # Every rank packs the same examples with the same seed: identical rows everywhere,
-    # and again on resume, so the Trainer's sampler and its skip of consumed batches agree.
-    rows, stats = packing.pack_examples(encoded.examples, spec.train.max_seq_len, spec.train.seed)
-    if ranks.rank == 0:
-        print(
-            f"dzctl-train: data packed: {stats.examples} examples into {stats.rows} rows of "
-            f"{spec.train.max_seq_len} tokens, packing efficiency {stats.efficiency:.1%} "
-            f"({stats.tokens} real tokens / {stats.capacity} capacity)",
-            flush=True,
-        )
-    return ListDataset(rows)
+    return lines
+
+
+class MappedDataset(torch.utils.data.Dataset):
+    """The node's mapped cache (data/mapped.py): examples, or packed rows when the job packs."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data.rows
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.data.item(index)
 
 
 def expected_shapes(model) -> dict[str, list[int]]:
@@ -580,7 +587,7 @@ def train(
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume = _agree_on_resume(resume, output_dir)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
-    packed = settings.packing and spec.data.path != SYNTHETIC_DATA
+    packed = settings.packing and not spec.data.synthetic
     kernel = attention.choose_kernel() if packed else None
     model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
     # Before the adapters wrap it (Liger patches the base model's own modules), and before

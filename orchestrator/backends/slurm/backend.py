@@ -105,10 +105,10 @@ class SlurmBackend:
             Path(plan.nodes[0].output_dir).mkdir(parents=True, exist_ok=True)
             for item in files:
                 _write(job_dir / item.name, item.content, item.mode)
-            data_file = job.inputs.data_file  # checked before anything was written (inputs.check_data_file)
-            if data_file is not None:
+            # Checked before anything was written (inputs.check_data_sources).
+            for item in job.inputs.shipped:
                 (job_dir / "data").mkdir(exist_ok=True)
-                shutil.copyfile(data_file, job_dir / "data" / Path(job.spec.data.path).name)
+                shutil.copyfile(item.local, job_dir / item.name)
             script_path = job_dir / "job.sbatch"
             _write(script_path, script.encode(), 0o755)
         except OSError as exc:

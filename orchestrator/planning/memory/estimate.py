@@ -80,6 +80,35 @@ RANK_HOST_GIB = 4.0
 HOST_RESERVE_FRACTION = 0.10
 
 
+# Training data (orchestrator/train/data/): each rank maps the node's cache read-only, so its
+# own (private) memory for the data is what a micro-batch decodes plus the index pages only it
+# touched; benchmarks/results/data-scale-20261202 measured at most 0.03 GiB more per rank at
+# 1 M rows than at 1 k. The allowance keeps a margin for long runs touching more pages.
+DATA_RANK_PRIVATE_GIB = 0.25
+# The node's builder (local rank 0, before the model loads) at its peak: the rank itself
+# (bounded by streaming; measured 0.48 GiB at 1 M rows, the issue's bar is 2 GiB) and each
+# worker of its pool (measured 0.08 GiB a worker; 0.15 for longer rows and larger
+# tokenizers), at most data/build.py's MAX_WORKERS.
+DATA_BUILDER_GIB = 2.0
+DATA_WORKER_GIB = 0.15
+DATA_MAX_WORKERS = 32
+# The mapped cache's pages, counted once per node (page cache): ids of 2 or 4 bytes for
+# tokens of 1 to 4 characters, at most about twice the bytes of the data files.
+DATA_CACHE_BYTES_PER_DATA_BYTE = 2.0
+
+
+def data_node_terms(shipped_bytes: int | None) -> dict[str, int]:
+    """Host RAM per node for the data, counted once per node (not per rank)."""
+    terms = {
+        "data builder (local rank 0 + its workers, before the model loads)": int(
+            (DATA_BUILDER_GIB + DATA_MAX_WORKERS * DATA_WORKER_GIB) * GIB
+        )
+    }
+    if shipped_bytes:
+        terms["data cache pages (page cache, once per node)"] = int(shipped_bytes * DATA_CACHE_BYTES_PER_DATA_BYTE)
+    return terms
+
+
 # DeepSpeed's default ZeRO-3 sub_group_size (elements): the optimizer steps one
 # sub-group at a time, and offloaded fp32 gradients are pinned per sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
@@ -299,6 +328,7 @@ def estimate(
         gpu["grads"] = g * tshard
         gpu["fp32 master + Adam m,v"] = (master + adam) * tshard
     host["process"] = int(RANK_HOST_GIB * GIB)
+    host["data (mapped cache, private)"] = int(DATA_RANK_PRIVATE_GIB * GIB)
     gpu["persistent small params"] = p * shape.num_layers * shape.small_params_per_layer
     # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
     if lora:

@@ -13,7 +13,7 @@ from typing import Any
 from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
-from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, estimate
+from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
 
@@ -88,6 +88,13 @@ def precision_for(inputs: JobInputs, *, bf16_supported: bool = True) -> Precisio
     return resolve_precision(inputs.spec, bf16_supported=bf16_supported)
 
 
+def data_terms(inputs: JobInputs) -> dict[str, int]:
+    """The data's host RAM per node: the builder, and the mapped cache's pages (from the shipped files' size)."""
+    if inputs.spec.data.synthetic:
+        return {}
+    return data_node_terms(sum(item.size for item in inputs.shipped) or None)
+
+
 def plan_for_job(
     inputs: JobInputs,
     slots_per_node: Sequence[int],
@@ -115,7 +122,11 @@ def plan_for_job(
         if value is not None and not value > 0:
             raise InputError(f"{flag} {value}: must be a positive number of GiB")
     hardware = Hardware(
-        tuple(slots_per_node), gpu_mem_gib if spec.accelerator == "gpu" else None, host_mem_gib, nvme=nvme
+        tuple(slots_per_node),
+        gpu_mem_gib if spec.accelerator == "gpu" else None,
+        host_mem_gib,
+        nvme=nvme,
+        data_terms=tuple(data_terms(inputs).items()),
     )
     lora = LoraShape.from_spec(spec.train.lora)
     allowed = allowed_from(inputs)

@@ -89,6 +89,12 @@ class Hardware:
     host_mem_gib: float | None  # None: not known; offload cannot be checked
     # What preflight measured at zero.nvme_path (None: not measured, or not usable there).
     nvme: NvmeReading | None = None
+    # Host RAM the job's data takes once per node (estimate.data_node_terms): (name, bytes).
+    data_terms: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def data_per_node(self) -> int:
+        return sum(size for _, size in self.data_terms)
 
     @property
     def world_size(self) -> int:
@@ -171,6 +177,7 @@ class MemoryPlan:
                 "allocator_margin_fraction": ALLOCATOR_MARGIN,
                 "non_torch_gpu_gib": NON_TORCH_GPU_GIB,
                 "host_per_rank": {k: gib(v) for k, v in est.host_terms_per_rank.items()},
+                "host_per_node_once": {k: gib(v) for k, v in hw.data_terms},
                 "host_reserve_fraction": HOST_RESERVE_FRACTION,
             },
             "micro_batch_size": self.choice.micro_batch_size,
@@ -372,7 +379,7 @@ def plan_memory(
 
 def _host_per_node(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[int, ...]:
     per_rank = est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0)
-    return tuple(slots * per_rank for slots in hardware.slots_per_node)
+    return tuple(slots * per_rank + hardware.data_per_node for slots in hardware.slots_per_node)
 
 
 def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, str]:
@@ -380,7 +387,7 @@ def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, st
         # CPU ranks keep everything in host RAM: the "GPU" terms live there too.
         if hardware.host_mem_gib is None:
             return True, ""
-        need = max(hardware.slots_per_node) * (est.gpu_peak + est.host_per_rank)
+        need = max(hardware.slots_per_node) * (est.gpu_peak + est.host_per_rank) + hardware.data_per_node
         have = hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)
         return (need <= have, "" if need <= have else f"host RAM: needs {gib(need)} GiB per node, has {gib(have)}")
     reasons = []
@@ -391,12 +398,13 @@ def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, st
             f"has {hardware.gpu_mem_gib} GiB"
         )
     if hardware.host_mem_gib is not None:
-        need = max(hardware.slots_per_node) * est.host_per_rank
+        need = max(hardware.slots_per_node) * est.host_per_rank + hardware.data_per_node
         have = hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)
         if need > have:
+            data = f" + {gib(hardware.data_per_node)} GiB data" if hardware.data_per_node else ""
             reasons.append(
                 f"host RAM: needs {gib(need)} GiB per node ({max(hardware.slots_per_node)} ranks × "
-                f"{gib(est.host_per_rank)} GiB), has {gib(have)} GiB usable of {hardware.host_mem_gib} "
+                f"{gib(est.host_per_rank)} GiB{data}), has {gib(have)} GiB usable of {hardware.host_mem_gib} "
                 f"({HOST_RESERVE_FRACTION:.0%} left to the OS)"
             )
     if est.nvme_terms_per_rank and hardware.nvme is not None:
@@ -425,8 +433,9 @@ def _least_demanding(
         if hardware.gpu_mem_gib is not None and accelerator != "cpu":
             over = max(over, est.gpu_required / (hardware.gpu_mem_gib * GIB))
         if hardware.host_mem_gib is not None:
-            per_node = max(hardware.slots_per_node) * (
-                est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0)
+            per_node = (
+                max(hardware.slots_per_node) * (est.host_per_rank + (est.gpu_peak if accelerator == "cpu" else 0))
+                + hardware.data_per_node
             )
             over = max(over, per_node / (hardware.host_mem_gib * GIB * (1 - HOST_RESERVE_FRACTION)))
         return over

@@ -1,15 +1,10 @@
-"""Training data: alpaca or ``messages`` rows → token ids with labels on the responses only.
+"""Training data: a conversation → token ids with labels on the responses only.
 
-Pure Python (the tokenizer is passed in), so it is tested without torch.
-
-Formats (``data.format``):
-
-- ``alpaca``: a JSON array (``.json``) or JSON lines (``.jsonl``) of objects with
-  ``instruction`` (text), optional ``input`` (text), ``output`` (text), as in
-  alpaca-gpt4-data-zh. Other keys are ignored. The user turn is the instruction,
-  followed by a blank line and the input when there is one.
-- ``messages``: JSON lines of ``{"messages": [{"role": "system"|"user"|"assistant",
-  "content": text}, ...]}`` with at least one assistant turn.
+Pure Python (the tokenizer is passed in), so it is tested without torch. The row formats
+(``data.format``: alpaca with system and history, messages, sharegpt, ``data.columns``) are
+``orchestrator/planning/datarows.py``; ``read_conversations`` and ``encode_all`` are the
+in-memory path that read, encoded and packed a whole file on every rank before the per-node
+cache (``prepare.py``), kept as the reference the cache is tested against.
 
 Rendering: the tokenizer's chat template when it has one, else this plain template
 (``{eos}`` is the tokenizer's end-of-sequence token)::
@@ -37,14 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ...errors import InputError
+from ...planning.datarows import ROLES, DataError, to_messages
+
+__all__ = ["IGNORE", "ROLES", "Conversation", "DataError", "Encoded", "encode", "encode_all", "read_conversations"]
 
 IGNORE = -100
-ROLES = ("system", "user", "assistant")
-
-
-class DataError(InputError):
-    """A data row is malformed; the message starts with ``file:row N:``."""
 
 
 @dataclass(frozen=True)
@@ -114,60 +106,7 @@ class _Malformed:
 def _to_conversation(row: Any, fmt: str, where: str) -> Conversation:
     if isinstance(row, _Malformed):
         raise DataError(f"{where}: {row.reason}")
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if fmt == "alpaca":
-        return Conversation(_alpaca_messages(row, where), where)
-    return Conversation(_chat_messages(row, where), where)
-
-
-def _text(row: dict[str, Any], key: str, where: str, *, required: bool) -> str:
-    value = row.get(key)
-    if value is None:
-        if required:
-            hint = (
-                "" if key not in ("instruction", "output") or "messages" not in row else "; set data.format: messages"
-            )
-            raise DataError(f"{where}: missing key {key!r}{hint}")
-        return ""
-    if not isinstance(value, str):
-        raise DataError(f"{where}: {key!r} must be text, got {type(value).__name__}")
-    return value
-
-
-def _alpaca_messages(row: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
-    instruction = _text(row, "instruction", where, required=True)
-    extra = _text(row, "input", where, required=False)
-    output = _text(row, "output", where, required=True)
-    if not instruction.strip():
-        raise DataError(f"{where}: 'instruction' is empty")
-    if not output.strip():
-        raise DataError(f"{where}: 'output' is empty: nothing to learn from this row")
-    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    return (("user", user), ("assistant", output))
-
-
-def _chat_messages(row: dict[str, Any], where: str) -> tuple[tuple[str, str], ...]:
-    messages = row.get("messages")
-    if messages is None:
-        hint = "; set data.format: alpaca" if "instruction" in row else ""
-        raise DataError(f"{where}: missing key 'messages'{hint}")
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list")
-    out = []
-    for index, message in enumerate(messages):
-        at = f"{where}: messages[{index}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{at}: expected an object with role and content")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise DataError(f"{at}: role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise DataError(f"{at}: content must be text, got {type(content).__name__}")
-        out.append((role, content))
-    if not any(role == "assistant" and content.strip() for role, content in out):
-        raise DataError(f"{where}: no assistant turn with text: nothing to learn from this row")
-    return tuple(out)
+    return Conversation(to_messages(row, fmt, where), where)
 
 
 def plain_render(messages: list[dict[str, str]], eos: str, add_generation_prompt: bool = False) -> str:
@@ -208,7 +147,7 @@ def encode_all(conversations: list[Conversation], tokenizer: Any, max_len: int) 
 def encode(conversation: Conversation, tokenizer: Any, max_len: int) -> tuple[list[int], list[int], int]:
     """Token ids and labels (-100 outside assistant turns), cut to ``max_len``; plus untrained turns."""
     messages = [{"role": role, "content": content} for role, content in conversation.messages]
-    render = _renderer(tokenizer)
+    render = renderer(tokenizer)
     full = render(messages, False)
     # Character spans of the assistant turns within the full rendering.
     spans: list[tuple[int, int]] = []
@@ -241,7 +180,8 @@ def encode(conversation: Conversation, tokenizer: Any, max_len: int) -> tuple[li
     return ids[:max_len], labels[:max_len], untrained
 
 
-def _renderer(tokenizer: Any):
+def renderer(tokenizer: Any):
+    """``render(messages, add_generation_prompt) -> text``: the chat template, else the plain one."""
     if getattr(tokenizer, "chat_template", None):
 
         def render(messages: list[dict[str, str]], generation_prompt: bool) -> str:

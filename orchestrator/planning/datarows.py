@@ -1,0 +1,156 @@
+"""A data row in one of the formats ``data.format`` names → the conversation it holds (pure).
+
+Used twice: by ``dzctl launch`` on the first rows of a local file (``planning/inputs.py``),
+so a format mismatch is refused before any host is touched, and by the data builder on
+the nodes for every row (``orchestrator/train/data/``). A conversation is a tuple of
+``(role, content)`` with roles ``system``, ``user`` and ``assistant``.
+
+Formats:
+
+- ``alpaca``: ``instruction``, optional ``input`` (appended after a blank line), ``output``;
+  optional ``system`` (a system turn first) and ``history`` (earlier turns, a list of
+  ``[instruction, response]`` pairs, as LLaMA-Factory's alpaca format has them).
+- ``messages``: ``messages``, a list of ``{"role": system|user|assistant, "content": text}``
+  (OpenAI style).
+- ``sharegpt``: ``conversations``, a list of ``{"from": human|gpt|system, "value": text}``
+  (``user``/``assistant`` are taken too), optional top-level ``system``.
+
+``columns`` renames the fields: ``{instruction: prompt, output: completion}`` reads the
+instruction from the row's ``prompt``. Every format needs at least one assistant turn
+with text: a row with nothing to learn from is an error, not silently kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InputError
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+Messages = tuple[tuple[str, str], ...]
+
+
+class DataError(InputError):
+    """A data row is malformed; the message starts with ``file:row N:``."""
+
+
+def guess_format(row: Any) -> str | None:
+    """The format a row looks like, for the hint in a mismatch error."""
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("conversations"), list):
+        return "sharegpt"
+    if "messages" in row:
+        return "messages"
+    if "instruction" in row:
+        return "alpaca"
+    return None
+
+
+def _mismatch_hint(row: dict[str, Any], fmt: str) -> str:
+    guessed = guess_format(row)
+    if guessed is None or guessed == fmt:
+        return ""
+    key = {"sharegpt": "conversations", "messages": "messages", "alpaca": "instruction"}[guessed]
+    return f"; the row has {key!r}: set data.format: {guessed}"
+
+
+def to_messages(row: Any, fmt: str, where: str, columns: dict[str, str] | None = None) -> Messages:
+    """The conversation of one row; ``DataError`` naming ``where`` and the reason when it has none."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    cols = columns or {}
+    if fmt == "alpaca":
+        return _alpaca(row, where, cols)
+    if fmt == "messages":
+        return _chat(row, where, cols)
+    if fmt == "sharegpt":
+        return _sharegpt(row, where, cols)
+    raise DataError(f"{where}: unknown data.format {fmt!r}")
+
+
+def _column(cols: dict[str, str], name: str) -> str:
+    return cols.get(name, name)
+
+
+def _shown(cols: dict[str, str], name: str) -> str:
+    column = _column(cols, name)
+    return repr(column) if column == name else f"{column!r} (data.columns: {name})"
+
+
+def _text(row: dict[str, Any], name: str, where: str, cols: dict[str, str], *, required: bool, fmt: str) -> str:
+    value = row.get(_column(cols, name))
+    if value is None:
+        if required:
+            raise DataError(f"{where}: missing key {_shown(cols, name)}{_mismatch_hint(row, fmt)}")
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {_shown(cols, name)} must be text, got {type(value).__name__}")
+    return value
+
+
+def _alpaca(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
+    instruction = _text(row, "instruction", where, cols, required=True, fmt="alpaca")
+    extra = _text(row, "input", where, cols, required=False, fmt="alpaca")
+    output = _text(row, "output", where, cols, required=True, fmt="alpaca")
+    system = _text(row, "system", where, cols, required=False, fmt="alpaca")
+    if not instruction.strip():
+        raise DataError(f"{where}: {_shown(cols, 'instruction')} is empty")
+    if not output.strip():
+        raise DataError(f"{where}: {_shown(cols, 'output')} is empty: nothing to learn from this row")
+    turns: list[tuple[str, str]] = [("system", system)] if system.strip() else []
+    history = row.get(_column(cols, "history"))
+    if history is not None:
+        if not isinstance(history, list):
+            raise DataError(f"{where}: {_shown(cols, 'history')} must be a list of [instruction, response] pairs")
+        for index, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+                raise DataError(f"{where}: {_shown(cols, 'history')}[{index}]: expected [instruction, response] texts")
+            turns += [("user", pair[0]), ("assistant", pair[1])]
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return (*turns, ("user", user), ("assistant", output))
+
+
+def _turns(
+    row: dict[str, Any], where: str, cols: dict[str, str], fmt: str, list_key: str, role_key: str, text_key: str
+) -> list[tuple[str, str]]:
+    items = row.get(_column(cols, list_key))
+    if items is None:
+        raise DataError(f"{where}: missing key {_shown(cols, list_key)}{_mismatch_hint(row, fmt)}")
+    if not isinstance(items, list) or not items:
+        raise DataError(f"{where}: {_shown(cols, list_key)} must be a non-empty list")
+    role_col, text_col = _column(cols, role_key), _column(cols, text_key)
+    known = ROLES if fmt == "messages" else tuple(SHAREGPT_ROLES)
+    out = []
+    for index, item in enumerate(items):
+        at = f"{where}: {_column(cols, list_key)}[{index}]"
+        if not isinstance(item, dict):
+            raise DataError(f"{at}: expected an object with {role_col} and {text_col}")
+        role, content = item.get(role_col), item.get(text_col)
+        if role not in known:
+            raise DataError(f"{at}: {role_col} must be one of {', '.join(known)}, got {role!r}")
+        if not isinstance(content, str):
+            raise DataError(f"{at}: {text_col} must be text, got {type(content).__name__}")
+        out.append((role if fmt == "messages" else SHAREGPT_ROLES[role], content))
+    return out
+
+
+def _chat(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
+    out = _turns(row, where, cols, "messages", "messages", "role", "content")
+    return _with_an_answer(out, where)
+
+
+def _sharegpt(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
+    out = _turns(row, where, cols, "sharegpt", "conversations", "from", "value")
+    system = _text(row, "system", where, cols, required=False, fmt="sharegpt")
+    if system.strip() and not (out and out[0][0] == "system"):
+        out.insert(0, ("system", system))
+    return _with_an_answer(out, where)
+
+
+def _with_an_answer(turns: list[tuple[str, str]], where: str) -> Messages:
+    if not any(role == "assistant" and content.strip() for role, content in turns):
+        raise DataError(f"{where}: no assistant turn with text: nothing to learn from this row")
+    return tuple(turns)

@@ -1,0 +1,348 @@
+"""The builder: sources → conversations → token ids → packed rows, written as flat files (no torch).
+
+It streams: rows are read one at a time (``sources.iter_rows``), turned into conversations
+in chunks of ``CHUNK``, encoded by a pool of worker processes (one per core: the node's
+other ranks are waiting meanwhile), and each encoded chunk is appended to the files at
+once. What stays in memory grows with the number of examples, not tokens: a length (4
+bytes) and a source index (2 bytes) per example, plus the packer's lists at the end
+(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding is today's
+``conversations.encode`` with the tokenizer called once per chunk (``encode_batch``), so the
+tokens and labels are exactly those of the in-memory path (tests/test_data_cache.py holds
+them to it); so is the packing (``packing.pack`` on the same lengths and seed).
+
+Files (all raw little-endian arrays, described in the manifest):
+
+- ``tokens.bin``: every example's ids back to back; the top bit of each is set where the
+  label is the id itself (an assistant token), clear where it is -100 (uint16 when the
+  vocabulary has fewer than 32,768 tokens, else uint32);
+- ``example_offsets.bin`` (int64, examples + 1) and ``example_source.bin`` (uint16);
+- ``row_offsets.bin`` (int64, rows + 1) and ``row_examples.bin`` (uint32): the packed rows
+  as lists of example indices (only with packing).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...planning.datafiles import Malformed
+from ...planning.datarows import DataError, to_messages
+from . import packing, sources
+from .conversations import IGNORE, Conversation, renderer
+from .mix import mix_counts
+
+CHUNK = 256  # conversations per task handed to a worker
+PROGRESS_EVERY_S = 5.0
+MAX_WORKERS = 32  # a bound the planner counts with (planning/memory/estimate.py DATA_MAX_WORKERS)
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    max_seq_len: int
+    packing: bool
+    seed: int
+    on_error: str  # fail | skip
+    window: int = packing.DEFAULT_WINDOW
+
+
+@dataclass
+class SourceStats:
+    label: str
+    weight: float
+    available: int | None = None  # rows the source has (known when mixing)
+    read: int = 0  # rows taken from it
+    examples: int = 0
+    skipped: int = 0
+    truncated_away: int = 0
+    untrained_turns: int = 0
+    tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BuildResult:
+    files: dict[str, dict[str, Any]]
+    info: dict[str, Any]
+    skipped_lines: list[str] = field(default_factory=list)
+
+
+def token_dtype(vocab_size: int) -> tuple[np.dtype, int]:
+    """The ids' dtype and the trained flag's bit."""
+    if vocab_size < 1 << 15:
+        return np.dtype("<u2"), 15
+    if vocab_size < 1 << 31:
+        return np.dtype("<u4"), 31
+    raise DataError(f"a vocabulary of {vocab_size} tokens is past this cache's 2^31")
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def encode_batch(
+    conversations: list[Conversation], tokenizer: Any, max_len: int
+) -> list[tuple[list[int], list[int], int]]:
+    """``conversations.encode`` of each conversation, with one tokenizer call for the whole batch.
+
+    The same renderings, spans and pieces as ``encode`` (so the same ids and labels: each piece
+    is tokenized on its own either way), minus its per-call overhead: the pieces of every
+    conversation go to the tokenizer's batch encoder at once, and the last assistant turn's
+    rendering is the full one (rendering the whole conversation twice gave the same text).
+    """
+    render = renderer(tokenizer)
+    pieces: list[str] = []
+    plans: list[tuple[list[tuple[int, bool]], int]] = []
+    for conversation in conversations:
+        messages = [{"role": role, "content": content} for role, content in conversation.messages]
+        full = render(messages, False)
+        spans: list[tuple[int, int]] = []
+        untrained = 0
+        last = len(messages) - 1
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prefix = render(messages[:index], True)
+            upto = full if index == last else render(messages[: index + 1], False)
+            if upto.startswith(prefix) and full.startswith(upto) and len(upto) > len(prefix):
+                spans.append((len(prefix), len(upto)))
+            else:
+                untrained += 1
+        segments: list[tuple[int, bool]] = []
+        cursor = 0
+        for start, end in spans:
+            for piece, trained in ((full[cursor:start], False), (full[start:end], True)):
+                if piece:
+                    segments.append((len(pieces), trained))
+                    pieces.append(piece)
+            cursor = end
+        if full[cursor:]:
+            segments.append((len(pieces), False))
+            pieces.append(full[cursor:])
+        plans.append((segments, untrained))
+    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
+    out = []
+    for segments, untrained in plans:
+        ids: list[int] = []
+        labels: list[int] = []
+        for index, trained in segments:
+            piece_ids = encoded[index]
+            ids.extend(piece_ids)
+            labels.extend(piece_ids if trained else [IGNORE] * len(piece_ids))
+        out.append((ids[:max_len], labels[:max_len], untrained))
+    return out
+
+
+def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, int]:
+    tokenizer, max_len, dtype, bit = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER["dtype"], _WORKER["bit"]
+    pieces: list[np.ndarray] = []
+    lengths: list[int] = []
+    truncated = untrained = 0
+    for ids, labels, skipped_turns in encode_batch(conversations, tokenizer, max_len):
+        untrained += skipped_turns
+        values = np.asarray(ids, dtype=np.int64)
+        trained = np.asarray(labels, dtype=np.int64) != IGNORE
+        if not trained.any():
+            truncated += 1
+            continue
+        pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
+        lengths.append(len(ids))
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    return tokens, np.asarray(lengths, dtype=np.int64), truncated, untrained
+
+
+def _quiet_tokenizer() -> None:
+    # One worker per core already: the tokenizer's own threads would only contend with the others.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+class _Done:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
+def worker_count() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
+
+
+def build(
+    found: list[sources.Source],
+    tokenizer: Any,
+    settings: BuildSettings,
+    folder: Path,
+    report: Callable[[str], None],
+    alive: Callable[[dict[str, Any]], None],
+    workers: int | None = None,
+) -> BuildResult:
+    """Write the cache files into ``folder``; ``report`` prints progress, ``alive`` is called as it goes."""
+    dtype, bit = token_dtype(len(tokenizer))
+    stats = [SourceStats(s.label, s.spec.weight) for s in found]
+    take: list[int | None] = [s.spec.max_rows for s in found]
+    if len(found) > 1:
+        available = []
+        for source, stat in zip(found, stats, strict=True):
+            report(f"data: counting the rows of {source.label} (for the mix)")
+            counted = sources.count_rows(source)
+            stat.available = counted
+            available.append(min(counted, source.spec.max_rows or counted))
+        take = list(mix_counts(available, [s.spec.weight for s in found]))
+    workers = worker_count() if workers is None else workers
+    _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit)
+    # fork: the workers inherit the tokenizer as it is (no pickling, no re-import of transformers).
+    # gc.freeze: the workers' collector then never walks (and so never copies) the objects they share
+    # with this rank through fork (torch, transformers, the tokenizer): their pages stay shared.
+    gc.freeze()
+    pool = multiprocessing.get_context("fork").Pool(workers, _quiet_tokenizer) if workers > 1 else None
+    gc.unfreeze()
+    lengths = array("q")
+    source_of = array("H")
+    skipped_lines: list[str] = []
+    pending: deque = deque()
+    started = time.monotonic()
+    progress = _Progress(report, alive, started, sum(t for t in take if t) if all(take) else None)
+    tokens_path = folder / "tokens.bin"
+    try:
+        with tokens_path.open("wb") as tokens_out:
+
+            def drain(limit: int) -> None:
+                while len(pending) > limit:
+                    index, result = pending.popleft()
+                    tokens, chunk_lengths, truncated, untrained = result.get()
+                    tokens.tofile(tokens_out)
+                    lengths.extend(chunk_lengths.tolist())
+                    source_of.extend([index] * len(chunk_lengths))
+                    stat = stats[index]
+                    stat.examples += len(chunk_lengths)
+                    stat.tokens += int(chunk_lengths.sum())
+                    stat.truncated_away += truncated
+                    stat.untrained_turns += untrained
+
+            def submit(index: int, chunk: list[Conversation]) -> None:
+                if pool is None:
+                    pending.append((index, _Done(_encode_chunk(chunk))))
+                else:
+                    pending.append((index, pool.apply_async(_encode_chunk, (chunk,))))
+                drain(2 * workers)
+
+            for source, stat, limit in zip(found, stats, take, strict=True):
+                chunk: list[Conversation] = []
+                position = [0]
+                size = _size(source)
+                for where, row in sources.iter_rows(source, position):
+                    if limit is not None and stat.read >= limit:
+                        break
+                    stat.read += 1
+                    try:
+                        if isinstance(row, Malformed):
+                            raise DataError(f"{where}: {row.reason}")
+                        messages = to_messages(row, source.spec.format or "alpaca", where, source.spec.columns)
+                    except DataError as exc:
+                        if settings.on_error == "fail":
+                            raise
+                        stat.skipped += 1
+                        if len(skipped_lines) < 20:
+                            skipped_lines.append(str(exc))
+                        continue
+                    chunk.append(Conversation(messages, where))
+                    if len(chunk) >= CHUNK:
+                        submit(source.index, chunk)
+                        chunk = []
+                    progress.tick(stats, source, position[0] / size if size else None)
+                if chunk:
+                    submit(source.index, chunk)
+            drain(0)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    for source, stat in zip(found, stats, strict=True):
+        if stat.read == stat.skipped:
+            raise DataError(f"{source.display}: no usable rows", fix="check data.path and data.format")
+    if not lengths:
+        raise DataError(
+            f"{found[0].display if len(found) == 1 else 'data.sources'}: no example keeps a response within "
+            f"train.max_seq_len {settings.max_seq_len}"
+        )
+    files = {"tokens.bin": {"dtype": dtype.str, "count": int(sum(lengths)), "flag_bit": bit}}
+    offsets = np.zeros(len(lengths) + 1, dtype="<i8")
+    np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
+    _write(folder, "example_offsets.bin", offsets, files)
+    _write(folder, "example_source.bin", np.frombuffer(source_of, dtype=np.uint16).astype("<u2"), files)
+    info: dict[str, Any] = {
+        "examples": len(lengths),
+        "tokens": int(offsets[-1]),
+        "sources": [s.as_dict() for s in stats],
+        "build_s": round(time.monotonic() - started, 2),
+        "workers": workers,
+    }
+    if settings.packing:
+        rows = packing.pack(lengths.tolist(), settings.max_seq_len, settings.seed, settings.window)
+        row_offsets = np.zeros(len(rows) + 1, dtype="<i8")
+        np.cumsum([len(r) for r in rows], out=row_offsets[1:])
+        _write(folder, "row_offsets.bin", row_offsets, files)
+        _write(folder, "row_examples.bin", np.fromiter((i for r in rows for i in r), dtype="<u4"), files)
+        info["rows"] = len(rows)
+        info["capacity"] = len(rows) * settings.max_seq_len
+    return BuildResult(files=files, info=info, skipped_lines=skipped_lines)
+
+
+def _write(folder: Path, name: str, values: np.ndarray, files: dict[str, dict[str, Any]]) -> None:
+    values.tofile(folder / name)
+    files[name] = {"dtype": values.dtype.str, "count": int(values.size)}
+
+
+def _size(source: sources.Source) -> int:
+    try:
+        return os.path.getsize(source.location) if source.kind == "json" else 0
+    except OSError:
+        return 0
+
+
+class _Progress:
+    """``data: building: N rows, R rows/s, eta T`` every few seconds, for the logs and the live view."""
+
+    def __init__(self, report, alive, started: float, total: int | None) -> None:
+        self.report, self.alive, self.started, self.total = report, alive, started, total
+        self.last = started
+
+    def tick(self, stats: list[SourceStats], source: sources.Source, fraction: float | None) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        done = sum(s.read for s in stats)
+        rate = done / max(now - self.started, 1e-9)
+        eta = None
+        if self.total:
+            eta = (self.total - done) / rate if rate else None
+        elif fraction and len(stats) == 1:
+            eta = (now - self.started) * (1 - fraction) / fraction
+        eta_text = f", eta {_duration(eta)}" if eta is not None else ""
+        self.report(f"data: building: {done:,} rows read ({source.label}), {rate:,.0f} rows/s{eta_text}")
+        self.alive({"rows": done, "rows_per_s": round(rate, 1), "eta_s": round(eta, 1) if eta is not None else None})
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

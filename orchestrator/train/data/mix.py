@@ -1,0 +1,27 @@
+"""How many rows each source gives to a mix of several (pure).
+
+Each source ``i`` has ``available[i]`` rows (its ``max_rows`` applied) and a weight; its
+share of the mixed rows is ``weight[i] / sum(weights)``. The mix is the largest set that
+keeps those shares without repeating a row: ``N = min(available[i] / share[i])`` rows, of
+which source ``i`` gives ``round(N * share[i])``, its first rows in file order. That is
+what Hugging Face's ``interleave_datasets(..., stopping_strategy="first_exhausted")`` and
+LLaMA-Factory's ``mix_strategy: interleave_under`` aim at, but as exact counts instead of a
+random draw: the shares come out as asked, and the same data gives the same mix on every
+node and every launch. Which mixed row lands where in training is then decided by
+``train.seed`` (packing's shuffle, and the Trainer's sampler).
+
+A source can be repeated or cut only through ``max_rows`` (and by giving it twice).
+"""
+
+from __future__ import annotations
+
+
+def mix_counts(available: list[int], weights: list[float]) -> list[int]:
+    if len(available) != len(weights) or not available:
+        raise ValueError("one weight per source")
+    if len(available) == 1:
+        return list(available)
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    size = min(n / s for n, s in zip(available, shares, strict=True))
+    return [min(n, round(size * s)) for n, s in zip(available, shares, strict=True)]

@@ -1,0 +1,194 @@
+"""The data a rank trains on: built once per node, then memory-mapped by every rank (no torch).
+
+Local rank 0 of each node is the node's builder: it computes the cache key, takes the
+key's lock, checks an existing cache (sizes and hashes) or builds a new one with every
+core of the node, and tells the node's other ranks through this launch's run note
+(``cache.RunNote``). Those ranks wait for it, then map the same files. Why local rank 0
+and not a step before the ranks: it needs no change to how the nodes start (torchrun,
+the deepspeed launcher, Slurm's srun, all the same), the waiting ranks have not started
+their process group yet (no collective can time out meanwhile), and its failure is the
+rank's failure, reported like any other. The cost: that rank's peak memory includes the
+build (bounded, see ``build.py``).
+
+The other ranks wait with a bound: ``DZCTL_DATA_WAIT_S`` (default 300 s) without a word
+from the builder (its note is rewritten every few seconds while it works) is an error
+naming the builder; a builder that failed makes every rank fail with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import DzError, RuntimeFailure
+from ...planning.datarows import DataError
+from ...spec.job import LoadedJob
+from . import cache, sources
+from .build import BuildSettings, build
+from .mapped import MappedData
+
+WAIT_STALE_S = 300.0
+POLL_S = 0.5
+NOTE_SLACK_S = 120.0  # a note written this long before this rank started is an earlier launch's
+
+
+@dataclass(frozen=True)
+class Prepared:
+    data: MappedData
+    key: str
+    cached: bool
+    seconds: float
+    folder: Path
+
+
+def cache_dir_for(loaded: LoadedJob, output_dir: Path) -> Path:
+    configured = loaded.spec.data.cache_dir
+    return Path(configured.replace("{host}", socket.gethostname())) if configured else output_dir / "data-cache"
+
+
+def key_material(found: list[sources.Source], tokenizer: Any, settings: BuildSettings, cache_dir: Path) -> dict:
+    fingerprints = cache.Fingerprints(cache_dir)
+    material = {
+        "layout": cache.CACHE_LAYOUT,
+        "sources": [
+            {
+                "content": [fingerprints.of(path) for path in sources.content_files(s)],
+                "format": s.spec.format,
+                "columns": s.spec.columns or {},
+                "weight": s.spec.weight if len(found) > 1 else 1.0,
+                "max_rows": s.spec.max_rows,
+            }
+            for s in found
+        ],
+        **cache.tokenizer_identity(tokenizer),
+        "max_seq_len": settings.max_seq_len,
+        "packing": settings.packing,
+        "window": settings.window if settings.packing else None,
+        "seed": settings.seed if settings.packing else None,  # only packing's shuffle uses it
+        "on_error": settings.on_error,
+    }
+    fingerprints.save()
+    return material
+
+
+def prepare(
+    loaded: LoadedJob,
+    tokenizer: Any,
+    *,
+    packing: bool,
+    local_rank: int,
+    cache_dir: Path,
+    say: Callable[[str], None],
+) -> Prepared:
+    spec = loaded.spec
+    settings = BuildSettings(spec.train.max_seq_len, packing, spec.train.seed, spec.data.on_error)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    note = cache.RunNote(cache_dir, cache.launch_token())
+    if local_rank != 0:
+        return _wait_for_builder(note, cache_dir, say)
+    try:
+        prepared = _as_builder(loaded, tokenizer, settings, cache_dir, note, say)
+    except BaseException as exc:
+        reason = exc.message if isinstance(exc, DzError) else f"{type(exc).__name__}: {exc}"
+        note.write("failed", reason=reason, fix=getattr(exc, "fix", None), input=isinstance(exc, DataError))
+        raise
+    note.write("ready", key=prepared.key)
+    return prepared
+
+
+def _as_builder(loaded, tokenizer, settings: BuildSettings, cache_dir: Path, note, say) -> Prepared:
+    started = time.monotonic()
+    note.write("building", stage="key")
+    found = sources.resolve_sources(loaded)
+    key = cache.cache_key(key_material(found, tokenizer, settings, cache_dir))
+    folder = cache_dir / key
+    lock = cache.KeyLock(cache_dir, key)
+    waited = False
+    while not lock.try_take():
+        if not waited:
+            say(f"data: {lock.holder()} is building cache {key} on this storage: waiting for it")
+            waited = True
+        note.write("building", stage="waiting for another node's build", key=key)
+        time.sleep(POLL_S * 2)
+    try:
+        cached = False
+        if folder.exists():
+            checked = cache.check(folder)
+            if checked.ok:
+                cached = True
+            else:
+                say(f"data: cache {key} failed its check ({checked.reason}): rebuilding it")
+                shutil.rmtree(folder)
+        if not cached:
+            _build_into(folder, found, tokenizer, settings, lock, note, key, say)
+        cache.touch_used(folder)
+    finally:
+        lock.release()
+    removed = cache.prune(cache_dir, key)
+    if removed:
+        say(f"data: pruned {len(removed)} old cache(s) of {cache_dir}: {', '.join(removed)}")
+    data = MappedData(folder)
+    seconds = time.monotonic() - started
+    if cached:
+        say(
+            f"data: cached: mapped {data.info['examples']:,} examples ({data.info['tokens']:,} tokens) "
+            f"from {folder} in {seconds:.1f} s"
+        )
+    return Prepared(data, key, cached, seconds, folder)
+
+
+def _build_into(folder: Path, found, tokenizer, settings, lock, note, key: str, say) -> None:
+    building = folder.parent / f"building-{key}-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+    say(f"data: building cache {key} in {folder.parent} ({len(found)} source(s))")
+
+    def alive(progress: dict[str, Any]) -> None:
+        lock.refresh()
+        note.write("building", key=key, **progress)
+
+    try:
+        result = build(found, tokenizer, settings, building, say, alive)
+        result.info["skipped_lines"] = result.skipped_lines
+        cache.write_manifest(building, result.files, result.info)  # last: a folder with it is whole
+        os.rename(building, folder)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    info = result.info
+    say(
+        f"data: built {info['examples']:,} examples ({info['tokens']:,} tokens) in {info['build_s']:.1f} s "
+        f"with {info['workers']} worker(s), {info['examples'] / max(info['build_s'], 1e-9):,.0f} examples/s"
+    )
+
+
+def _wait_for_builder(note: cache.RunNote, cache_dir: Path, say) -> Prepared:
+    started_wall, started = time.time(), time.monotonic()
+    bound = float(os.environ.get("DZCTL_DATA_WAIT_S", WAIT_STALE_S))
+    last_word = started
+    last_time = None
+    while True:
+        state = note.read()
+        if state is not None and state.get("time", 0) >= started_wall - NOTE_SLACK_S:
+            if state["time"] != last_time:
+                last_time, last_word = state["time"], time.monotonic()
+            if state["state"] == "ready":
+                folder = cache_dir / state["key"]
+                data = MappedData(folder)
+                return Prepared(data, state["key"], True, time.monotonic() - started, folder)
+            if state["state"] == "failed":
+                error = DataError if state.get("input") else RuntimeFailure
+                raise error(f"this node's data builder (local rank 0) failed: {state['reason']}", fix=state.get("fix"))
+        if time.monotonic() - last_word > bound:
+            raise RuntimeFailure(
+                f"waited {bound:.0f} s for this node's data builder (local rank 0) without a word from it "
+                f"({note.path} {'not written' if last_time is None else 'not updated'})",
+                fix="see local rank 0's log for why it stopped; DZCTL_DATA_WAIT_S sets this bound",
+            )
+        time.sleep(POLL_S)

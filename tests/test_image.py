@@ -6,6 +6,7 @@ locally with debootstrap (no registry can be reached here); see tests/baseimage.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -217,8 +218,10 @@ def docker_cli(args: list[str], docker_url: str, timeout: float = 600) -> subpro
     return subprocess.run(["docker", "-H", docker_url, *args], capture_output=True, text=True, timeout=timeout)
 
 
-# Parallel test runs on one daemon (several checkouts) each name their own image.
-CPU_TAG = os.environ.get("DZCTL_TEST_CPU_TAG", "dzctl-test/cpu:latest")
+# Parallel test runs on one daemon (several checkouts) each name their own image: one shared tag let a
+# run in another checkout re-tag it mid-run, and this run's e2e then ran that checkout's code.
+CHECKOUT_TAG = "c" + hashlib.sha1(str(Path(__file__).resolve().parents[1]).encode()).hexdigest()[:10]
+CPU_TAG = os.environ.get("DZCTL_TEST_CPU_TAG", f"dzctl-test/cpu:{CHECKOUT_TAG}")
 CUDA_SYSTEM_TAG = "dzctl-test/cuda:system"
 
 

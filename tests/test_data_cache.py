@@ -465,3 +465,31 @@ def test_each_shipped_source_gets_its_node_path_and_keeps_the_users_name(tmp_pat
         (f"{job_dir}/data/1-a.jsonl", "sets/a.jsonl"),
         ("/shared/c.parquet", None),  # on the nodes already: read where it is
     ]
+
+
+def test_shipped_sources_in_a_docker_node_spec_are_not_looked_for_as_node_side_paths(tmp_path):
+    """Slurm's in-allocation preflight reads the node spec, where a shipped file is /job/data/...: the
+    container's view of the job directory, which no launch.mounts entry holds. The launcher checked that
+    file locally before shipping it; only sources the user put on the nodes are looked for there."""
+    import yaml
+
+    from orchestrator.backends.jobfiles import node_spec
+    from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.planning.resolve import resolve_job
+    from orchestrator.preflight.datacheck import node_side_sources
+    from orchestrator.spec.hostfile import load_nodes
+
+    (tmp_path / "a.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n', encoding="utf-8")
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
+    sources = [{"path": "a.jsonl"}, {"path": "/shared/c.parquet"}]
+    inputs = read_inputs(_job(tmp_path, {"sources": sources}, "runtime=docker", "launch.mounts=[/shared:/shared:ro]"))
+    nodes = load_nodes(tmp_path / "hosts.txt")
+    memory, ds_config = memory_choice(inputs, nodes, None, None)
+    plan = make_plan(inputs.spec, nodes, "j-20260101-0000-abcd")
+    written = tmp_path / "node" / "job.yaml"
+    written.parent.mkdir()
+    spec = node_spec(resolve_job(inputs, nodes, memory, ds_config, plan, None), plan.nodes[0])
+    written.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    assert spec["data"]["sources"][0]["path"] == "/job/data/0-a.jsonl"
+    assert node_side_sources(load_job(str(written), (), None).spec) == [("data.sources[1].path", "/shared/c.parquet")]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+ENDED = ("failed", "succeeded")  # with no node still running, a job state no later poll changes
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "slurm" / "pyxis-2x4.sbatch"
 
@@ -202,6 +203,9 @@ class SlurmController:
             status = self.status()
             if predicate(status):
                 return status
+            if status["state"] in ENDED and not any(n["state"] in ("running", "created") for n in status["nodes"]):
+                # Nothing changes once every node has ended: fail now with the reason, not after the timeout.
+                pytest.fail(f"the job {status['state']} before {what}; last status: {status}")
             time.sleep(2)
         pytest.fail(f"timed out after {timeout:g} s waiting for {what}; last status: {status}")
 

@@ -56,14 +56,18 @@ print(json.dumps(out))
 
 
 def node_side_sources(spec) -> list[tuple[str, str]]:
-    """(key, path) of each source the nodes read where it is."""
+    """(key, path) of each source the nodes read where it is.
+
+    A source with ``shipped_from`` (a node's own job spec, as Slurm's in-allocation preflight reads it)
+    is the job directory's copy of a local file: the launcher checked that file before shipping it, and
+    in a container its path is the job directory's mount, which no ``launch.mounts`` entry holds."""
     if spec.data.synthetic:
         return []
     many = spec.data.sources is not None
     return [
         (f"data.sources[{i}].path" if many else "data.path", s.path)
         for i, s in enumerate(spec.data.all_sources())
-        if is_node_side(s.path)
+        if is_node_side(s.path) and s.shipped_from is None
     ]
 
 

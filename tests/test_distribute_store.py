@@ -81,9 +81,9 @@ def test_the_store_is_used_only_with_a_daemon_on_this_machine():
 
 
 def test_registry_config_listens_on_loopback_only(tmp_path):
-    config = registry_config(tmp_path, 5123)
+    config = registry_config(tmp_path, 5123, tmp_path / "htpasswd")
     assert "addr: 127.0.0.1:5123" in config
-    assert f"rootdirectory: {tmp_path / 'registry'}" in config
+    assert f'rootdirectory: "{tmp_path / "registry"}"' in config
 
 
 # -- real hosts -----------------------------------------------------------------------------------
@@ -114,7 +114,8 @@ def test_the_store_keeps_its_port_and_serves_one_dzctl_at_a_time(tmp_path, regis
     for _ in range(2):
         with LayerStore(tmp_path / "store") as store:
             ports.append(store.port)
-            urllib.request.urlopen(f"{store.url}/v2/", timeout=5).close()
+            direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            direct.open(urllib.request.Request(f"{store.url}/v2/", headers=store.auth_header), timeout=5).close()
             with pytest.raises(RuntimeFailure, match="in use by another dzctl"), LayerStore(tmp_path / "store"):
                 pass
     assert ports[0] == ports[1]

@@ -23,15 +23,32 @@ overrides, ``off`` disables) with Debian's ``docker-registry`` (distribution 2.x
 it pushed is keyed by ``127.0.0.1:PORT``, so the same port keeps later pushes incremental. Deleting
 the folder is safe (the next distribute pushes everything again). One ``distribute`` at a time uses
 it (a lock); a second one at the same time goes without it.
+
+The store keeps to itself:
+- its registry ends with the dzctl that started it, however that ends: the kernel sends it SIGTERM
+  when its parent dies (``setpriv --pdeathsig``, from util-linux; where setpriv is missing only a
+  clean exit stops it), so a closed terminal or a ``kill`` leaves no registry
+  holding the port (the next run would have to pick another and push every layer again);
+- it answers only this run: each start makes a random credential (its bcrypt hash in ``htpasswd``,
+  mode 0600; the password only in this process), so no other local user or host-network container can
+  pull the image or push into the cache; a server on the port that answers without it is refused;
+- every blob is checked against its digest as it streams, and its last chunk is held back until the
+  check passes, so a damaged store ends a node's stream short and its ``docker load`` fails;
+- it keeps the last ``KEEP_IMAGES`` images pushed to it: when it closes (registry stopped, lock held)
+  older images' manifests go, ``garbage-collect`` removes the blobs no kept image uses, unfinished
+  uploads are removed, and ``layers.txt`` is rewritten from the kept images.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -48,6 +65,8 @@ REPOSITORY = "dzctl-layers"
 MANIFEST_V2 = "application/vnd.docker.distribution.manifest.v2+json"
 CHUNK = 1 << 20
 START_TIMEOUT = 20.0
+KEEP_IMAGES = 3  # images kept in the store (the newest pushes); older ones' blobs go when it closes
+USER = "dzctl"
 REGISTRY_BINARIES = ("docker-registry", "registry")  # Debian's package name, upstream's
 # Straight to 127.0.0.1: urllib would send even a loopback request through an HTTP_PROXY from the
 # environment unless NO_PROXY names it.
@@ -75,15 +94,28 @@ def daemon_is_local(client) -> bool:
     return str(getattr(client.api, "base_url", "")) == "http+docker://localhost"
 
 
-def registry_config(root: Path, port: int) -> str:
-    """docker-registry's config: filesystem storage in ``root``, plain HTTP on 127.0.0.1 only."""
+def registry_config(root: Path, port: int, htpasswd: Path) -> str:
+    """docker-registry's config: filesystem storage in ``root``, plain HTTP on 127.0.0.1 only, one user.
+
+    Paths are JSON strings (JSON is YAML): a folder named ``my store #2`` stays whole.
+    """
     return (
         "version: 0.1\n"
         "log:\n  level: error\n  accesslog:\n    disabled: true\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {root / 'registry'}\n"
-        "  maintenance:\n    uploadpurging:\n      enabled: false\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {json.dumps(str(root / 'registry'))}\n"
+        "  maintenance:\n    uploadpurging:\n      enabled: false\n"  # close() removes uploads itself
+        f"auth:\n  htpasswd:\n    realm: dzctl-layer-store\n    path: {json.dumps(str(htpasswd))}\n"
         f"http:\n  addr: 127.0.0.1:{port}\n"
     )
+
+
+def serve_argv(binary: str, config: Path) -> list[str]:
+    """The registry's command line: under ``setpriv --pdeathsig TERM`` (util-linux), so the kernel ends
+    it when dzctl ends, however dzctl ends. An exec, not a ``preexec_fn``: dzctl has threads by then,
+    and code run between fork and exec in a threaded process can deadlock."""
+    wrapper = shutil.which("setpriv")
+    prefix = [wrapper, "--pdeathsig", "TERM", "--"] if wrapper else []
+    return [*prefix, binary, "serve", str(config)]
 
 
 @dataclass(frozen=True)
@@ -106,6 +138,7 @@ class LayerStore:
         self.port = 0
         self._lock_file = None
         self._proc: subprocess.Popen | None = None
+        self._password = ""
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -135,6 +168,9 @@ class LayerStore:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+            # Under the lock with the registry stopped: nothing reads or writes the folder now.
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                self._prune()
         if self._lock_file is not None:
             self._lock_file.close()  # releases the lock
             self._lock_file = None
@@ -156,24 +192,100 @@ class LayerStore:
         return port
 
     def _start(self) -> None:
+        import bcrypt  # paramiko's dependency, declared in pyproject.toml for this
+
         self.port = self._port()
+        self._password = secrets.token_urlsafe(24)
+        htpasswd = self.root / "htpasswd"
+        # The registry checks the hash on every request; 192 random bits need no slow hash to resist
+        # guessing, so the cheapest cost keeps a push's hundreds of requests fast.
+        hashed = bcrypt.hashpw(self._password.encode(), bcrypt.gensalt(rounds=4)).decode()
+        fd = os.open(htpasswd, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{USER}:{hashed}\n")
+        os.chmod(htpasswd, 0o600)  # an older file kept its mode through O_TRUNC
         config = self.root / "registry.yml"
-        config.write_text(registry_config(self.root, self.port))
+        config.write_text(registry_config(self.root, self.port, htpasswd))
         log = open(self.root / "registry.log", "ab")  # noqa: SIM115 - the child holds it; closed here
         try:
-            self._proc = subprocess.Popen([self.binary, "serve", str(config)], stdout=log, stderr=log)
+            self._proc = subprocess.Popen(serve_argv(self.binary, config), stdout=log, stderr=log)
         finally:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 break
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                _DIRECT.open(f"{self.url}/v2/", timeout=1).close()
-                return
+            with contextlib.suppress(OSError):
+                if self._answers(with_credential=False) == 401 and self._answers(with_credential=True) == 200:
+                    return
+                if self._answers(with_credential=False) == 200:
+                    raise RuntimeFailure(
+                        f"127.0.0.1:{self.port} answers without the store's credential: it is not the layer"
+                        " store's registry (something else holds the port, or the binary is not docker-registry)"
+                    )
             time.sleep(0.05)
         tail = (self.root / "registry.log").read_text(errors="replace")[-800:]
         raise RuntimeFailure(f"the layer store's registry did not start on 127.0.0.1:{self.port}: {tail}")
+
+    def _answers(self, with_credential: bool) -> int:
+        request = urllib.request.Request(f"{self.url}/v2/", headers=self.auth_header if with_credential else {})
+        try:
+            with _DIRECT.open(request, timeout=1) as answer:
+                return answer.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except urllib.error.URLError as exc:
+            raise OSError(str(exc)) from exc
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def auth_header(self) -> dict[str, str]:
+        """This run's credential, as an HTTP header (the daemon gets it as ``auth_config``)."""
+        token = base64.b64encode(f"{USER}:{self._password}".encode()).decode()
+        return {"Authorization": f"Basic {token}"}
+
+    def _open(self, path: str, timeout: float, headers: dict | None = None):
+        request = urllib.request.Request(f"{self.url}{path}", headers={**self.auth_header, **(headers or {})})
+        return _DIRECT.open(request, timeout=timeout)
+
+    # -- pruning ----------------------------------------------------------------------------------
+
+    def _images(self) -> list[dict]:
+        """The images pushed here, oldest first: ``{"tag", "diff_ids"}`` per push (images.jsonl)."""
+        with contextlib.suppress(OSError):
+            lines = (self.root / "images.jsonl").read_text().splitlines()
+            return [json.loads(line) for line in lines if line.strip()]
+        return []
+
+    def _record_image(self, tag: str, diff_ids: list[str]) -> None:
+        kept = [image for image in self._images() if image["tag"] != tag]
+        kept.append({"tag": tag, "diff_ids": list(diff_ids)})
+        _write_lines(self.root / "images.jsonl", [json.dumps(image) for image in kept])
+
+    def _prune(self) -> None:
+        """Keep the newest ``KEEP_IMAGES`` images; remove the rest's blobs and unfinished uploads."""
+        repository = self.root / "registry" / "docker" / "registry" / "v2" / "repositories" / REPOSITORY
+        shutil.rmtree(repository / "_uploads", ignore_errors=True)
+        images = self._images()
+        if len(images) <= KEEP_IMAGES:
+            return
+        old, kept = images[:-KEEP_IMAGES], images[-KEEP_IMAGES:]
+        for image in old:
+            shutil.rmtree(repository / "_manifests" / "tags" / image["tag"], ignore_errors=True)
+        # With their tags gone, the old manifests are untagged: garbage-collect deletes them and every
+        # blob that no kept manifest references (a layer a kept image shares stays).
+        subprocess.run(
+            [self.binary, "garbage-collect", "--delete-untagged", str(self.root / "registry.yml")],
+            capture_output=True,
+            timeout=600,
+            check=True,
+        )
+        _write_lines(self.root / "images.jsonl", [json.dumps(image) for image in kept])
+        known = dict.fromkeys(diff for image in kept for diff in image["diff_ids"])
+        _write_lines(self.root / "layers.txt", list(known))
 
     # -- contents ---------------------------------------------------------------------------------
 
@@ -194,7 +306,8 @@ class LayerStore:
         client.api.tag(image_id, reference, tag)
         pushed: set[str] = set()
         try:
-            for chunk in client.api.push(reference, tag, stream=True, decode=True):
+            credential = {"username": USER, "password": self._password}
+            for chunk in client.api.push(reference, tag, stream=True, decode=True, auth_config=credential):
                 if "error" in chunk:
                     raise RuntimeFailure(f"docker push to the layer store failed: {chunk['error']}")
                 if chunk.get("status") == "Pushed":
@@ -214,11 +327,11 @@ class LayerStore:
         known = self.known_layers()
         with open(self.root / "layers.txt", "a") as record:
             record.writelines(f"{diff_id}\n" for diff_id in diff_ids if diff_id not in known)
+        self._record_image(tag, diff_ids)
         return stored
 
     def stored(self, tag: str) -> StoredImage:
-        request = urllib.request.Request(f"{self.url}/v2/{REPOSITORY}/manifests/{tag}", headers={"Accept": MANIFEST_V2})
-        with _DIRECT.open(request, timeout=60) as answer:
+        with self._open(f"/v2/{REPOSITORY}/manifests/{tag}", 60, {"Accept": MANIFEST_V2}) as answer:
             manifest = json.load(answer)
         if manifest.get("mediaType") != MANIFEST_V2:
             raise RuntimeFailure(f"the layer store answered a {manifest.get('mediaType')} manifest")
@@ -231,10 +344,29 @@ class LayerStore:
         )
 
     def blob(self, digest: str) -> Iterator[bytes]:
-        """A stored blob's bytes, streamed."""
-        with _DIRECT.open(f"{self.url}/v2/{REPOSITORY}/blobs/{digest}", timeout=300) as answer:
+        """A stored blob's bytes, streamed; the last chunk only once the whole blob matches ``digest``."""
+        algorithm, _, want = digest.partition(":")
+        hasher = hashlib.new(algorithm)
+        held = b""
+        with self._open(f"/v2/{REPOSITORY}/blobs/{digest}", 300) as answer:
             while chunk := answer.read(CHUNK):
-                yield chunk
+                hasher.update(chunk)
+                if held:
+                    yield held
+                held = chunk
+        if hasher.hexdigest() != want:
+            raise RuntimeFailure(
+                f"the layer store's blob {digest} does not match its digest (sha256 {hasher.hexdigest()}):"
+                f" the store is damaged; delete {self.root} (the next distribute fills it again)"
+            )
+        yield held
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    """Replace ``path`` whole (a crash leaves the old file or the new one, never half of either)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text("".join(f"{line}\n" for line in lines))
+    os.replace(part, path)
 
 
 def open_store(layer_store, client, notes: list[str], cleanup: contextlib.ExitStack) -> LayerStore | None:

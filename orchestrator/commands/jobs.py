@@ -222,14 +222,21 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
             outcomes = {h: o if o == "stopped" else DzError(o) for h, o in slurm_backend.stop(record).items()}
         else:
             with _pool(record, ssh_config, trust_new_hosts) as pool:
-                outcomes = stop_nodes(record, pool, remove=True)
+                status = _refresh(record, store, pool)
+                # A rank that has exited has nothing to stop; its container (and its logs) stay.
+                ended = {n.host: f"already ended (exit {n.exit_code})" for n in status.nodes if n.state == "exited"}
+                if len(ended) == len(status.nodes):
+                    _say_already_ended(record, status, ended, as_json)
+                    return
+                live = [n.node_rank for n in status.nodes if n.host not in ended]
+                outcomes = {**stop_nodes(record, pool, remove=True, ranks=live), **ended}
         failed = {h: o for h, o in outcomes.items() if isinstance(o, DzError)}
         if not failed and record.state not in ("succeeded", "failed"):
             store.set_state(record.job_id, "stopped", reason="dzctl stop")
         result = {
             "job": record.name,
             "job_id": record.job_id,
-            "hosts": {h: ("stopped" if h not in failed else f"error: {failed[h].message}") for h in outcomes},
+            "hosts": {h: (o if isinstance(o, str) else f"error: {o.message}") for h, o in outcomes.items()},
         }
         click.echo(json.dumps(result) if as_json else "\n".join(f"{h}: {s}" for h, s in result["hosts"].items()))
         if failed:
@@ -239,6 +246,14 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
                 f" ignores SIGKILL), then rerun `dzctl stop {record.job_id}`; `dzctl status {record.job_id}`"
                 " shows what still runs",
             )
+
+
+def _say_already_ended(record: JobRecord, status: JobStatus, ended: dict[str, str], as_json: bool) -> None:
+    """Every rank had exited before `stop`: nothing was stopped or removed, and that is no error."""
+    if as_json:
+        click.echo(json.dumps({"job": record.name, "job_id": record.job_id, "state": status.state, "hosts": ended}))
+    else:
+        click.echo(f"job {record.job_id} had already ended ({status.state}): nothing to stop")
 
 
 def register(group: click.Group) -> None:

@@ -129,7 +129,7 @@ def launch_command(
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":
         failure = status.first_failure
-        where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
+        where = f": node {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
         raise RuntimeFailure(f"job {plan.job_id} {status.state}{where}", fix=f"dzctl logs {plan.job_id} --tail 100")
 
 
@@ -171,7 +171,7 @@ def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json
             click.echo(slurm.batch_log(record), err=True, nl=False)
             where = f": {failure['reason']}" if failure.get("reason") else ""
         else:
-            where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}"
+            where = f": node {failure['node_rank']} on {failure['host']}: {failure['reason']}"
         raise RuntimeFailure(f"job {record.job_id} {status.state}{where}", fix=f"dzctl logs {record.job_id} --tail 100")
 
 

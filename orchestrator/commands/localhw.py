@@ -7,13 +7,13 @@ so a localhost hostfile needs no ``--gpu-mem-gib``.
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import DzError
 from ..preflight.parsers import GPU_QUERY_ARGV, ParseError, parse_gpu_query, parse_meminfo_total
 from ..spec.hostfile import Node
-from ..transport.local import LOCAL_HOSTS
+from ..transport.local import LOCAL_HOSTS, LocalConnection
 
 # nvidia-smi answers in well under a second; a wedged driver must not hang a planning command.
 NVIDIA_SMI_TIMEOUT_S = 20
@@ -37,14 +37,13 @@ def hardware_for(nodes: list[Node], gpu_mem_gib: float | None, host_mem_gib: flo
 
 def local_gpu_mem_gib() -> float | None:
     """The smallest GPU's memory as preflight reports it (MiB / 1024, one decimal); None without GPUs."""
+    # Through the one local runner preflight uses for localhost: a missing tool is exit 127, not an exception.
     try:
-        done = subprocess.run(
-            list(GPU_QUERY_ARGV), capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None  # no nvidia-smi here: the planner asks for --gpu-mem-gib
-    if done.returncode != 0:
-        return None
+        done = LocalConnection().run(list(GPU_QUERY_ARGV), timeout=NVIDIA_SMI_TIMEOUT_S)
+    except DzError:
+        return None  # timed out: the planner asks for --gpu-mem-gib
+    if not done.ok:
+        return None  # no nvidia-smi (or no driver) here: the planner asks for --gpu-mem-gib
     try:
         gpus = parse_gpu_query(done.stdout)
     except ParseError:

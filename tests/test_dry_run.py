@@ -80,6 +80,8 @@ def test_plan_and_dry_run_on_localhost_read_this_machines_gpus(tmp_path, monkeyp
     assert planned.exit_code == 0, planned.output
     data = json.loads(planned.output)
     assert data["gpu_mem_gib"] == round(143771 / 1024, 1)
+    meminfo = Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]
+    assert data["host_mem_gib"] == round(int(meminfo) * 1024 / 2**30, 1), "and this machine's RAM"
     dry = dzctl("launch", TINY, "--hosts", LOCALHOST, *gpu_job, "--dry-run", "--json")
     assert dry.exit_code == 0, dry.output
     assert json.loads(dry.output)["memory"]["gpu_mem_gib"] == round(143771 / 1024, 1)

@@ -87,3 +87,24 @@ def test_stop_on_a_running_job_still_stops_it(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_on_an_ended_job_whose_ranks_are_gone_says_it_had_ended(tmp_path):
+    """The record says succeeded and the node holds no rank any more (removed after the end)."""
+    job_id = "endedjob-20261203-000000-dddd"
+    job_dir = tmp_path / "remote" / "jobs" / job_id
+    job_dir.mkdir(parents=True)
+    node = {"host": "localhost", "node_rank": 0, "slots": 1, "container_name": f"dzctl-{job_id}-0",
+            "job_dir": str(job_dir), "output_dir": str(tmp_path / "remote" / "output")}  # fmt: skip
+    home = tmp_path / "home"
+    with JobStore(home / "jobs.sqlite") as store:
+        store.add(
+            job_id=job_id, name="endedjob", runtime="process", image=None, hosts=["localhost"],
+            spec={"name": "endedjob", "launch": {"python": sys.executable}}, plan={"nodes": [node]}, ssh_config=None,
+        )  # fmt: skip
+        store.set_state(job_id, "succeeded")
+    stopped = _dzctl(home, "stop", "endedjob")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert stopped.stdout.strip() == f"job {job_id} had already ended (succeeded): nothing to stop"
+    as_json = json.loads(_dzctl(home, "stop", "endedjob", "--json").stdout)
+    assert as_json["hosts"] == {"localhost": "already ended (no rank left on the node)"}

@@ -245,8 +245,7 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
         else:
             with _pool(record, ssh_config, trust_new_hosts) as pool:
                 status = _refresh(record, store, pool)
-                # A rank that has exited has nothing to stop; its container (and its logs) stay.
-                ended = {n.host: f"already ended (exit {n.exit_code})" for n in status.nodes if n.state == "exited"}
+                ended = _nothing_to_stop(status)
                 if len(ended) == len(status.nodes):
                     _say_already_ended(record, status, ended, as_json)
                     return
@@ -268,6 +267,18 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
                 f" ignores SIGKILL), then rerun `dzctl stop {record.job_id}`; `dzctl status {record.job_id}`"
                 " shows what still runs",
             )
+
+
+def _nothing_to_stop(status: JobStatus) -> dict[str, str]:
+    """The nodes with nothing to stop, and why: an exited rank (its container and logs stay), or,
+    once the job has ended, a rank no longer on its node (removed after the end)."""
+    ended = {}
+    for n in status.nodes:
+        if n.state == "exited":
+            ended[n.host] = f"already ended (exit {n.exit_code})"
+        elif n.state == "missing" and status.state in FINAL_STATES:
+            ended[n.host] = "already ended (no rank left on the node)"
+    return ended
 
 
 def _say_already_ended(record: JobRecord, status: JobStatus, ended: dict[str, str], as_json: bool) -> None:

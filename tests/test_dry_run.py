@@ -101,3 +101,12 @@ def test_slurm_dry_run_refuses_a_missing_shipped_data_file_as_the_submission_doe
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "data/missing.jsonl" in result.output
+
+
+def test_memory_flags_without_dry_run_are_refused_rather_than_ignored():
+    result = dzctl("launch", QWEN72B, "--hosts", TWO_BY_FOUR, "--gpu-mem-gib", "40")
+    assert result.exit_code == 2, result.output
+    assert "--gpu-mem-gib" in result.output and "--dry-run" in result.output
+    on_slurm = dzctl("launch", TINY, "--slurm", "--dry-run", "--host-mem-gib", "64")
+    assert on_slurm.exit_code == 2, on_slurm.output
+    assert "slurm.gpu_mem_gib" in on_slurm.output

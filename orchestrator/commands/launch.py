@@ -83,9 +83,17 @@ def launch_command(
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
+    given = [
+        flag for flag, value in (("--gpu-mem-gib", gpu_mem_gib), ("--host-mem-gib", host_mem_gib)) if value is not None
+    ]
+    on_slurm = slurm or (hostfile is None and job.spec.slurm is not None)
+    if given and on_slurm:
+        raise click.UsageError(f"{given[0]}: a Slurm job is planned on slurm.gpu_mem_gib (set it in the spec or --set)")
+    if given and not dry_run:
+        raise click.UsageError(f"{given[0]} is for --dry-run: the launch reads every node's memory in preflight")
     if slurm and hostfile is not None:
         raise click.UsageError("--slurm and --hosts: Slurm picks the nodes; give one or the other")
-    if slurm or (hostfile is None and job.spec.slurm is not None):
+    if on_slurm:
         request = launcher.slurm_request(
             job, partition=partition, nodes=nodes_wanted, gpus_per_node=gpus_per_node, time=time_limit,
             account=account,

@@ -145,13 +145,13 @@ deps)
 project-deps)
     pins > /tmp/dzctl-constraints.txt
     export PIP_CONSTRAINT=/tmp/dzctl-constraints.txt
-    "$VENV/bin/pip" install "/opt/dzctl-meta[train]"
-    if [ "$FLAVOUR" = cpu ]; then
-        # Liger's fused loss runs on GPUs only (CPU jobs use the chunked loss and never import it);
-        # with the Triton it pulls in it is about 1 GB of a CPU image that every node is sent.
-        # Removed in the same step, so the layer never holds it.
-        "$VENV/bin/pip" uninstall -y -q liger-kernel triton
-    fi
+    # The gpu extra (Liger's fused loss) runs on GPUs only: CPU jobs use the chunked loss and never
+    # import it, and with the Triton it pulls in it would be about 1 GB of a CPU image every node is sent.
+    case "$FLAVOUR" in
+    cuda) EXTRAS=train,gpu ;;
+    cpu) EXTRAS=train ;;
+    esac
+    "$VENV/bin/pip" install "/opt/dzctl-meta[$EXTRAS]"
     ;;
 *)
     echo "install-python.sh: unknown step '$1'" >&2

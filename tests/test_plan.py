@@ -158,8 +158,13 @@ def test_deepspeed_launcher_and_host_placeholder():
 def test_dry_run_json_for_the_mission_example():
     result = CliRunner().invoke(
         main,
-        ["launch", str(ROOT / "jobs/qwen72b.yaml"), "--hosts", str(ROOT / "hostfiles/2x4.txt"), "--dry-run", "--json"],
-    )
+        [
+            "launch", str(ROOT / "jobs/qwen72b.yaml"), "--hosts", str(ROOT / "hostfiles/2x4.txt"),
+            "--dry-run", "--json",
+            # The dry run plans memory as the launch does: on remote nodes it is told what they have.
+            "--gpu-mem-gib", "140", "--host-mem-gib", "2048",
+        ],
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert {"job", "job_id", "world_size", "master_addr", "master_port", "nodes"} <= set(data)

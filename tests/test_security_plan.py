@@ -136,7 +136,8 @@ def test_secrets_stay_out_of_the_plan_argv_and_dry_run(tmp_path_factory, token, 
     assert plan.nodes[0].env["HF_HOME"] == "/data/hf", "non-secret variables are shown as they are"
 
     main = _main()
-    base = ["launch", str(job_path), "--hosts", str(folder / "hosts.txt"), "--dry-run", "--set", overrides[0]]
+    base = ["launch", str(job_path), "--hosts", str(folder / "hosts.txt"), "--dry-run", "--gpu-mem-gib", "140"]
+    base += ["--set", overrides[0]]
     for extra in ([], ["--json"]):
         result = CliRunner().invoke(main, base + extra)
         assert result.exit_code == 0, (result.output, result.exception)

@@ -110,10 +110,38 @@ def new_job_id(name: str, now: float | None = None) -> str:
     return f"{name}-{stamp}-{pysecrets.token_hex(2)}"
 
 
-def dry_run(job: LoadedJob, nodes: list[Node], job_id: str | None = None) -> LaunchPlan:
-    """The plan as it would run, touching no host (``launch --dry-run``)."""
-    secrets = job_secrets(job)
-    return make_plan(job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=tuple(secrets))
+@dataclass(frozen=True)
+class DryRun:
+    """What ``launch --dry-run`` shows: the launch plan, and the memory plan with its DeepSpeed config."""
+
+    plan: LaunchPlan
+    memory: MemoryPlan
+    ds_config: dict
+    inputs: JobInputs
+
+    def to_dict(self) -> dict:
+        # The launch plan's keys stay on top (DESIGN §2); the memory plan is `dzctl plan --json`'s object.
+        return {**self.plan.to_dict(), "memory": self.memory.to_dict(self.ds_config)}
+
+
+def dry_run(
+    job: LoadedJob,
+    nodes: list[Node],
+    job_id: str | None = None,
+    *,
+    gpu_mem_gib: float | None = None,
+    host_mem_gib: float | None = None,
+) -> DryRun:
+    """Every check the launch makes before it touches a host, and the plan it would run (``launch --dry-run``).
+
+    The same local inputs (``read_inputs``: spec, data, ``zero.config``, model shape) and
+    the same memory plan and refusal as ``prepare``, on the hardware given here where
+    ``prepare`` has preflight's readings: a job the launch refuses, the dry run refuses.
+    """
+    inputs = read_inputs(job)
+    memory, ds_config = memory_choice(inputs, nodes, gpu_mem_gib, host_mem_gib)
+    plan = make_plan(job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=inputs.secret_names)
+    return DryRun(plan, memory, ds_config, inputs)
 
 
 def memory_choice(

@@ -53,7 +53,11 @@ class BuildView:
 @click.command("build")
 @click.option("--flavour", type=click.Choice(sorted(FLAVOURS)), default="cuda", show_default=True)
 @click.option("--base-image", metavar="IMG", help="Base image (default: the flavour's; CUDA: an NVIDIA devel image).")
-@click.option("--tag", metavar="TAG", help="Image tag (default dzctl:<version>-<flavour>).")
+@click.option(
+    "--tag",
+    metavar="TAG",
+    help="Image tag (default dzctl:<version>-<flavour>, and dzctl:<flavour> as the jobs name it).",
+)
 @click.option(
     "--wheelhouse",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
@@ -108,7 +112,7 @@ def build_command(flavour, base_image, tag, wheelhouse, ca_bundle, offline, torc
     if as_json:
         click.echo(json.dumps({**image.to_dict(), "layer_store": stored.to_dict() if stored else None}))
         return
-    click.echo(f"image  {image.tag}")
+    click.echo(f"image  {image.tag}" + (f" (also {', '.join(image.also_tagged)})" if image.also_tagged else ""))
     click.echo(f"id     {image.id}")
     if image.digest:
         click.echo(f"digest {image.digest}")

@@ -134,7 +134,7 @@ def _poll_until_ended(record: JobRecord, pool: HostPool, watch: JobWatch, lock: 
         failed = [r for r, s in states.items() if state_failed(s.state, s.exit_code)]
         if stop_gang and failed and running and not gang_stopped:
             click.echo(
-                f"dzctl: rank {failed[0]} failed; stopping the other node(s): {', '.join(map(str, running))}",
+                f"dzctl: node {failed[0]} failed; stopping the other node(s): {', '.join(map(str, running))}",
                 err=True,
             )
             stop_nodes(record, pool, remove=False, ranks=running)

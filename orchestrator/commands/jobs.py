@@ -20,6 +20,7 @@ from ..preflight.collective_result import describe_collective
 from ..transport.pool import HostPool
 from .follow import follow_job, output_mode
 from .options import json_option, ssh_options
+from .ranks import ranks_by_node, selected_node, span
 
 
 def _pool(record: JobRecord, ssh_config: str | None, trust_new_hosts: bool) -> HostPool:
@@ -71,9 +72,9 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
             while True:
                 status = _refresh(record, store, pool)
                 if as_json:
-                    click.echo(json.dumps(status.to_dict()))
+                    click.echo(json.dumps(status_dict(status, record)))
                 else:
-                    click.echo(render_status(status))
+                    click.echo(render_status(status, ranks_by_node(record.plan["nodes"])))
                     for tracker, folder in tracker_locations(record).items():
                         fetch = f"dzctl logs {record.job_id} --fetch DIR"
                         click.echo(f"{tracker}: {record.hosts[0]}:{folder}  (copy it here: {fetch})")
@@ -90,7 +91,8 @@ def _slurm_status(record: JobRecord, store: JobStore, as_json: bool, watch: bool
         status = slurm_backend.gather_status(store.get(record.job_id))
         if status.state != record.state and (status.state in FINAL_STATES or record.state in ("starting", "pending")):
             store.set_state(record.job_id, status.state)
-        click.echo(json.dumps(status.to_dict()) if as_json else render_status(status))
+        ranks = ranks_by_node(record.plan["nodes"])
+        click.echo(json.dumps(status_dict(status, record)) if as_json else render_status(status, ranks))
         if not watch or status.state in FINAL_STATES:
             return
         time.sleep(interval)
@@ -142,7 +144,18 @@ def _fmt_s(seconds: float | None) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def render_status(status: JobStatus) -> str:
+def status_dict(status: JobStatus, record: JobRecord) -> dict:
+    """``status --json``: DESIGN's keys, and each node's global ``ranks`` beside its ``node_rank``."""
+    out = status.to_dict()
+    ranks = ranks_by_node(record.plan["nodes"])
+    for node in out["nodes"]:
+        node["ranks"] = list(ranks.get(node["node_rank"], ()))
+    return out
+
+
+def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> str:
+    """The job's state, a row per node (NODE = node rank; RANKS = the global ranks it runs)."""
+    ranks = ranks or {}
     lines = [f"job {status.job}  id {status.job_id}  state {status.state.upper()}"]
     progress = status.progress
     if progress:
@@ -158,13 +171,18 @@ def render_status(status: JobStatus) -> str:
         lines.append("  ".join(parts))
     else:
         lines.append("progress none yet")
-    lines.append(f"{'RANK':4} {'HOST':24} {'STATE':11} {'EXIT':5} OOM")
+    lines.append(f"{'NODE':4} {'HOST':24} {'RANKS':7} {'STATE':11} {'EXIT':5} OOM")
     for n in status.nodes:
         exit_code = "-" if n.exit_code is None else str(n.exit_code)
-        lines.append(f"{n.node_rank:<4} {n.host:24} {n.state:11} {exit_code:5} {'yes' if n.oom_killed else 'no'}")
+        held = span(ranks[n.node_rank]) if n.node_rank in ranks else "-"
+        oom = "yes" if n.oom_killed else "no"
+        lines.append(f"{n.node_rank:<4} {n.host:24} {held:7} {n.state:11} {exit_code:5} {oom}")
     if status.first_failure:
         f = status.first_failure
-        lines.append(f"first failure: rank {f['node_rank']} on {f['host']} (exit {f['exit_code']}): {f['reason']}")
+        held = f"ranks {span(ranks[f['node_rank']])}, " if f.get("node_rank") in ranks else ""
+        lines.append(
+            f"first failure: node {f['node_rank']} on {f['host']} ({held}exit {f['exit_code']}): {f['reason']}"
+        )
     collective = (status.preflight or {}).get("collective")
     if collective:
         lines.append(describe_collective(collective))
@@ -173,7 +191,8 @@ def render_status(status: JobStatus) -> str:
 
 @click.command("logs")
 @click.argument("job_ref", metavar="JOB")
-@click.option("--rank", type=int, default=None, help="Only this node rank.")
+@click.option("--node", "node", type=int, default=None, help="Only this node (its node rank: hostfile line order).")
+@click.option("--rank", type=int, default=None, help="Only the node that runs this global rank (torch's [rankR]).")
 @click.option("--follow", "-f", is_flag=True, help="Keep streaming until the ranks end.")
 @click.option("--tail", type=int, default=None, help="Only the last N lines of each rank.")
 @click.option(
@@ -184,23 +203,26 @@ def render_status(status: JobStatus) -> str:
     help="Copy the job's progress.jsonl and tracker files (report_to) from rank 0's node into DIR.",
 )
 @ssh_options
-def logs_command(job_ref, rank, follow, tail, fetch_dir, ssh_config, trust_new_hosts):
-    """Every node's output, each line prefixed with its rank and host (the raw stream)."""
+def logs_command(job_ref, node, rank, follow, tail, fetch_dir, ssh_config, trust_new_hosts):
+    """Every node's output, each line prefixed with its node rank and host (the raw stream)."""
     with JobStore() as store:
         record = store.get(job_ref)
-    if rank is not None and not 0 <= rank < len(record.hosts):
-        raise click.BadParameter(f"job {record.job_id} has ranks 0-{len(record.hosts) - 1}", param_hint="--rank")
+    chosen = selected_node(record.plan["nodes"], record.job_id, node, rank)
+    if rank is not None:
+        # A node's log holds all its ranks' lines: say which node that is.
+        click.echo(f"rank {rank} runs on node {chosen} ({record.hosts[chosen]}): showing that node's output", err=True)
+    nodes = None if chosen is None else [chosen]
     if is_slurm(record):
         if fetch_dir is not None:
             raise click.UsageError("--fetch: a Slurm job's outputs are already on the shared path in its record")
-        slurm_backend.stream_logs(record, ranks=None if rank is None else [rank], tail=tail, follow=follow)
+        slurm_backend.stream_logs(record, ranks=nodes, tail=tail, follow=follow)
         return
     with _pool(record, ssh_config, trust_new_hosts) as pool:
         if fetch_dir is not None:
             written = fetch_outputs(record, pool, fetch_dir)
             click.echo(f"copied {len(written)} file(s) from {record.hosts[0]} into {fetch_dir}")
             return
-        threads = stream_logs(record, pool, ranks=None if rank is None else [rank], tail=tail, follow=follow)
+        threads = stream_logs(record, pool, ranks=nodes, tail=tail, follow=follow)
         try:
             for thread in threads:
                 while thread.is_alive():
@@ -222,14 +244,20 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
             outcomes = {h: o if o == "stopped" else DzError(o) for h, o in slurm_backend.stop(record).items()}
         else:
             with _pool(record, ssh_config, trust_new_hosts) as pool:
-                outcomes = stop_nodes(record, pool, remove=True)
+                status = _refresh(record, store, pool)
+                ended = _nothing_to_stop(status)
+                if len(ended) == len(status.nodes):
+                    _say_already_ended(record, status, ended, as_json)
+                    return
+                live = [n.node_rank for n in status.nodes if n.host not in ended]
+                outcomes = {**stop_nodes(record, pool, remove=True, ranks=live), **ended}
         failed = {h: o for h, o in outcomes.items() if isinstance(o, DzError)}
         if not failed and record.state not in ("succeeded", "failed"):
             store.set_state(record.job_id, "stopped", reason="dzctl stop")
         result = {
             "job": record.name,
             "job_id": record.job_id,
-            "hosts": {h: ("stopped" if h not in failed else f"error: {failed[h].message}") for h in outcomes},
+            "hosts": {h: (o if isinstance(o, str) else f"error: {o.message}") for h, o in outcomes.items()},
         }
         click.echo(json.dumps(result) if as_json else "\n".join(f"{h}: {s}" for h, s in result["hosts"].items()))
         if failed:
@@ -239,6 +267,26 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
                 f" ignores SIGKILL), then rerun `dzctl stop {record.job_id}`; `dzctl status {record.job_id}`"
                 " shows what still runs",
             )
+
+
+def _nothing_to_stop(status: JobStatus) -> dict[str, str]:
+    """The nodes with nothing to stop, and why: an exited rank (its container and logs stay), or,
+    once the job has ended, a rank no longer on its node (removed after the end)."""
+    ended = {}
+    for n in status.nodes:
+        if n.state == "exited":
+            ended[n.host] = f"already ended (exit {n.exit_code})"
+        elif n.state == "missing" and status.state in FINAL_STATES:
+            ended[n.host] = "already ended (no rank left on the node)"
+    return ended
+
+
+def _say_already_ended(record: JobRecord, status: JobStatus, ended: dict[str, str], as_json: bool) -> None:
+    """Every rank had exited before `stop`: nothing was stopped or removed, and that is no error."""
+    if as_json:
+        click.echo(json.dumps({"job": record.name, "job_id": record.job_id, "state": status.state, "hosts": ended}))
+    else:
+        click.echo(f"job {record.job_id} had already ended ({status.state}): nothing to stop")
 
 
 def register(group: click.Group) -> None:

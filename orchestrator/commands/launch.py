@@ -18,8 +18,10 @@ from ..preflight.render import print_report
 from ..transport.pool import HostPool
 from .busy import busy
 from .follow import follow_job, output_mode
+from .localhw import hardware_for
 from .options import (
     collective_options,
+    hardware_options,
     job_options,
     json_option,
     load_job_from_options,
@@ -28,6 +30,7 @@ from .options import (
     slurm_options,
     ssh_options,
 )
+from .plan import render as render_memory
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,12 @@ class ConsoleProgress:
 @optional_hosts_options
 @slurm_options
 @ssh_options
-@click.option("--dry-run", is_flag=True, help="Print the plan; touch no host.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Run every check the launch runs before touching a host (spec, data, model, memory plan); print the plan.",
+)
+@hardware_options
 @click.option(
     "--follow/--detach",
     default=None,
@@ -69,14 +77,23 @@ class ConsoleProgress:
 def launch_command(
     job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus,
     slurm, partition, nodes_wanted, gpus_per_node, time_limit, account,
-    ssh_config, trust_new_hosts, dry_run, follow, raw, replace, no_distribute, skip_collective, collective_timeout,
+    ssh_config, trust_new_hosts, dry_run, gpu_mem_gib, host_mem_gib, follow, raw, replace, no_distribute,
+    skip_collective, collective_timeout,
     as_json,
 ):  # fmt: skip
     """Check every node, ship the job, and start one launcher per node."""
     job = load_job_from_options(job_file, overrides, runtime)
+    given = [
+        flag for flag, value in (("--gpu-mem-gib", gpu_mem_gib), ("--host-mem-gib", host_mem_gib)) if value is not None
+    ]
+    on_slurm = slurm or (hostfile is None and job.spec.slurm is not None)
+    if given and on_slurm:
+        raise click.UsageError(f"{given[0]}: a Slurm job is planned on slurm.gpu_mem_gib (set it in the spec or --set)")
+    if given and not dry_run:
+        raise click.UsageError(f"{given[0]} is for --dry-run: the launch reads every node's memory in preflight")
     if slurm and hostfile is not None:
         raise click.UsageError("--slurm and --hosts: Slurm picks the nodes; give one or the other")
-    if slurm or (hostfile is None and job.spec.slurm is not None):
+    if on_slurm:
         request = launcher.slurm_request(
             job, partition=partition, nodes=nodes_wanted, gpus_per_node=gpus_per_node, time=time_limit,
             account=account,
@@ -87,8 +104,9 @@ def launch_command(
         raise click.UsageError("give --hosts FILE, or --slurm (or a slurm: section in the job spec)")
     nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
     if dry_run:
-        plan = launcher.dry_run(job, nodes)
-        click.echo(json.dumps(plan.to_dict(), indent=2) if as_json else render_plan(plan))
+        hardware = hardware_for(nodes, gpu_mem_gib, host_mem_gib)
+        checked = launcher.dry_run(job, nodes, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=hardware.host_mem_gib)
+        click.echo(json.dumps(checked.to_dict(), indent=2) if as_json else render_dry_run(checked))
         return
     options = launcher.LaunchOptions(
         replace=replace,
@@ -119,7 +137,7 @@ def launch_command(
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":
         failure = status.first_failure
-        where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
+        where = f": node {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
         raise RuntimeFailure(f"job {plan.job_id} {status.state}{where}", fix=f"dzctl logs {plan.job_id} --tail 100")
 
 
@@ -128,8 +146,14 @@ def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json
     from ..backends.slurm import backend as slurm
 
     if dry_run:
-        plan, script = launcher.slurm_plan(job, request)
-        click.echo(json.dumps({**plan.to_dict(), "sbatch_script": script}, indent=2) if as_json else script, nl=False)
+        # The same local checks and memory plan as the submission (on slurm.gpu_mem_gib), nothing submitted.
+        prepared = launcher.prepare_slurm(job, request)
+        plan, script, memory = prepared.plan, prepared.batch_script, prepared.job.memory
+        if as_json:
+            shown = {**plan.to_dict(), "sbatch_script": script, "memory": memory.to_dict(prepared.job.ds_config)}
+            click.echo(json.dumps(shown, indent=2))
+        else:
+            click.echo(script, nl=False)
         return
     progress = ConsoleProgress(as_json)
     prepared = launcher.prepare_slurm(job, request)
@@ -155,8 +179,15 @@ def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json
             click.echo(slurm.batch_log(record), err=True, nl=False)
             where = f": {failure['reason']}" if failure.get("reason") else ""
         else:
-            where = f": rank {failure['node_rank']} on {failure['host']}: {failure['reason']}"
+            where = f": node {failure['node_rank']} on {failure['host']}: {failure['reason']}"
         raise RuntimeFailure(f"job {record.job_id} {status.state}{where}", fix=f"dzctl logs {record.job_id} --tail 100")
+
+
+def render_dry_run(checked: launcher.DryRun) -> str:
+    """The launch plan, then the memory plan (as ``dzctl plan`` shows it) and the DeepSpeed config."""
+    memory = render_memory(checked.memory, checked.inputs.shape, checked.inputs.spec)
+    ds_config = json.dumps(checked.ds_config, indent=2)
+    return f"{render_plan(checked.plan)}\n\n{memory}\n\nds_config.json:\n{ds_config}"
 
 
 def render_plan(plan: LaunchPlan) -> str:

@@ -92,6 +92,24 @@ def nodes_from_options(hostfile: str, include: str, exclude: str, num_nodes, num
     return load_nodes(hostfile, ResourceFilter(include, exclude, num_nodes, num_gpus))
 
 
+def hardware_options(func):
+    """``--gpu-mem-gib`` and ``--host-mem-gib``: the nodes' memory, for planning without preflight."""
+    func = click.option(
+        "--host-mem-gib",
+        type=float,
+        default=None,
+        metavar="N",
+        help="RAM of each node in GiB; needed to check offloaded states (read on localhost).",
+    )(func)
+    return click.option(
+        "--gpu-mem-gib",
+        type=float,
+        default=None,
+        metavar="N",
+        help="Memory of each GPU in GiB (nvidia-smi memory.total / 1024; H200: 140.4; read on localhost).",
+    )(func)
+
+
 def collective_options(func):
     """``--skip-collective`` and ``--collective-timeout``: the collective check, on preflight and launch."""
     func = click.option(

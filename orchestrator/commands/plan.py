@@ -13,26 +13,21 @@ from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.shape import ModelShape
 from ..spec.job import JobSpec
-from .options import hosts_options, job_options, json_option, load_job_from_options, nodes_from_options
+from .localhw import hardware_for
+from .options import (
+    hardware_options,
+    hosts_options,
+    job_options,
+    json_option,
+    load_job_from_options,
+    nodes_from_options,
+)
 
 
 @click.command("plan")
 @job_options
 @hosts_options
-@click.option(
-    "--gpu-mem-gib",
-    type=float,
-    default=None,
-    metavar="N",
-    help="Memory of each GPU in GiB (nvidia-smi memory.total / 1024; H200: 140.4).",
-)
-@click.option(
-    "--host-mem-gib",
-    type=float,
-    default=None,
-    metavar="N",
-    help="RAM of each node in GiB; needed to check offloaded states.",
-)
+@hardware_options
 @json_option
 def plan_command(
     job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, gpu_mem_gib, host_mem_gib, as_json
@@ -46,7 +41,9 @@ def plan_command(
     inputs = read_inputs(job)
     shape = inputs.shape
     slots = [n.num_slots for n in nodes]
-    plan, ds_config = plan_for_job(inputs, slots, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib)
+    hardware = hardware_for(nodes, gpu_mem_gib, host_mem_gib)
+    host_mem_gib = hardware.host_mem_gib
+    plan, ds_config = plan_for_job(inputs, slots, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=host_mem_gib)
     if as_json:
         out = plan.to_dict(ds_config)
         out["model"] = shape.to_dict()

@@ -115,11 +115,13 @@ class BuiltImage:
     elapsed_s: float
     digest: str | None = None
     notes: tuple[str, ...] = ()
+    also_tagged: tuple[str, ...] = ()  # image_tags' other names, e.g. dzctl:cpu
 
     def to_dict(self) -> dict:
         return {
             "image_id": self.id,
             "tag": self.tag,
+            "tags": [self.tag, *self.also_tagged],
             "digest": self.digest,
             "versions": self.versions,
             "labels": self.labels,
@@ -130,6 +132,31 @@ class BuiltImage:
 
 def default_tag(flavour: str) -> str:
     return f"dzctl:{__version__}-{flavour}"
+
+
+def flavour_tag(flavour: str) -> str:
+    """The name the shipped jobs run (``image: dzctl:cpu``): the newest build of that flavour."""
+    return f"dzctl:{flavour}"
+
+
+def image_tags(request: BuildRequest) -> tuple[str, ...]:
+    """Every name a build gives its image, the first one the daemon's build sets (pure).
+
+    Without ``--tag``: the versioned name, which stays put, and the flavour's name,
+    which the shipped jobs say, so ``dzctl build`` then ``dzctl launch jobs/…`` runs
+    what was just built. A tag the user gives is the only one: it moves no other name.
+    A ``--target`` stage is not what nodes run, so it never takes the flavour's name.
+    """
+    if request.tag or request.target:
+        return (request.image_tag,)
+    return (request.image_tag, flavour_tag(request.flavour))
+
+
+def add_tags(client, image_id: str, names) -> None:
+    """Point each ``repository:tag`` in ``names`` at ``image_id`` (moving it off an older image)."""
+    for name in names:
+        repository, _, tag = name.rpartition(":")
+        client.api.tag(image_id, repository, tag, force=True)
 
 
 def build_args(request: BuildRequest) -> dict[str, str]:
@@ -489,15 +516,22 @@ def build_image(
         unlabelled = run_build(client, context_file, request, None, progress, tag=False)
         versions = probe_versions(client, unlabelled)
         previous = _same_build(client, request.image_tag, unlabelled, versions)
+        also = image_tags(request)[1:]
         if previous is not None:
             # Nothing changed: keep the existing image (and its ID, which nodes may already hold)
             # rather than minting a new ID that differs only in its build-time label.
             labels = dict(previous.labels)
-            return BuiltImage(previous.id, request.image_tag, labels, versions, progress.elapsed_s, notes=notes())
+            add_tags(client, previous.id, also)
+            return BuiltImage(
+                previous.id, request.image_tag, labels, versions, progress.elapsed_s, notes=notes(), also_tagged=also
+            )
         labels = labels_for(versions, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         progress.step, progress.step_index, progress.step_count = "labelling", 0, 0
         image_id = run_build(client, context_file, request, labels, progress, tag=True)
-    return BuiltImage(image_id, request.image_tag, labels, versions, progress.elapsed_s, notes=notes())
+        add_tags(client, image_id, also)
+    return BuiltImage(
+        image_id, request.image_tag, labels, versions, progress.elapsed_s, notes=notes(), also_tagged=also
+    )
 
 
 def _same_build(client, tag: str, unlabelled_id: str, versions: dict[str, str]):

@@ -1,4 +1,4 @@
-"""The preflight report for people: a hosts × checks table, then each problem with its fix."""
+"""The preflight report for people: a checks × hosts table (hosts × checks past 6 hosts), then the fixes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from .collective_result import describe_collective
 from .model import HostReport, PreflightReport
 from .runner import CHECK_ORDER
 
+# Up to this many hosts, each is a column (about 16 characters each: fits a 120-column terminal).
+MAX_HOST_COLUMNS = 6
 MARKS = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]"}
 
 
@@ -19,8 +21,9 @@ def print_report(report: PreflightReport, console: Console) -> None:
     names = [n for n in CHECK_ORDER if any(h.check(n) for h in report.hosts)]
     table = Table(title=f"preflight: {len(report.hosts)} node(s) in {report.elapsed_s:.1f} s", title_justify="left")
     labels = [f"{h.node_rank}: {h.host}" for h in report.hosts]
-    if len(report.hosts) < len(names):
-        # Few hosts: one column per host keeps the table narrow enough for a terminal.
+    if len(report.hosts) <= MAX_HOST_COLUMNS:
+        # Few hosts: one column per host keeps the table narrow enough for a terminal. By the host
+        # count alone: `launch` runs more checks than `preflight`, and both must draw the same table.
         table.add_column("check", no_wrap=True)
         for label in labels:
             table.add_column(escape(label), justify="center", no_wrap=True)

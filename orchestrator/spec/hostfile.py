@@ -28,6 +28,8 @@ from ..errors import HostfileError
 # before it could reach a shell on any host.
 HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,252}$")
 SLOTS_TOKEN = re.compile(r"^slots=(.*)$")
+# `gpu-node-2:4`: a name without colons (so not an IPv6 address), a colon, a count.
+HOST_COLON_COUNT = re.compile(r"^([^:]+):([0-9]+)$")
 MAX_SLOTS = 1024  # no node has more GPUs; a typo like slots=80000 is caught here
 
 
@@ -101,6 +103,14 @@ def parse_hostfile(text: str, source: str) -> list[HostEntry]:
 def _parse_slots(tokens: list[str], source: str, number: int, host: str) -> int:
     where = f"{source}:{number}"
     if not tokens:
+        counted = HOST_COLON_COUNT.match(host)
+        if counted:
+            # `HOST:N` is how --include names GPUs, not how a hostfile counts them.
+            name, count = counted.groups()
+            raise HostfileError(
+                f"{where}: {host}: a hostfile gives a node's GPUs as slots=N, not HOST:N",
+                fix=f"write '{name} slots={count}'",
+            )
         raise HostfileError(f"{where}: {host}: missing slots=N", fix=f"write '{host} slots=N', N = GPUs on that node")
     slots_values = [m.group(1) for t in tokens if (m := SLOTS_TOKEN.match(t))]
     unknown = [t for t in tokens if not SLOTS_TOKEN.match(t)]

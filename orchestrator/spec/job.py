@@ -454,7 +454,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[str, ...]) -> str:
     messages = []
-    for error in exc.errors():
+    for error in _one_per_key(exc.errors()):
         loc = _clean_loc(error["loc"])
         # A key is the user's text: one holding a line break must not split the message into lines.
         dotted = ".".join(printable(str(p)) for p in loc)
@@ -476,6 +476,39 @@ def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[st
     return "\n".join(dict.fromkeys(messages))
 
 
+def _one_per_key(errors: list[dict]) -> list[dict]:
+    """One error per key: a value that fits no branch of a union (``int | 'auto'``) fails each branch.
+
+    pydantic reports each branch's failure on its own; the user made one mistake, so
+    the branches' expectations become one message ("an integer or 'auto'").
+    """
+    by_key: dict[KeyPath, list[dict]] = {}
+    for error in errors:
+        by_key.setdefault(_clean_loc(error["loc"]), []).append(error)
+    merged = []
+    for group in by_key.values():
+        if len(group) == 1 or any(e["type"] in ("extra_forbidden", "missing") for e in group):
+            merged += group
+            continue
+        expected = " or ".join(dict.fromkeys(_expected(e) for e in group))
+        merged.append({**group[0], "type": "union", "msg": f"must be {expected}"})
+    return merged
+
+
+def _expected(error: dict) -> str:
+    """What one union branch wanted, in a few words."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return "an integer"
+    if kind in ("float_parsing", "float_type"):
+        return "a number"
+    if kind in ("bool_parsing", "bool_type"):
+        return "true or false"
+    if kind == "literal_error" and "expected" in ctx:
+        return str(ctx["expected"])
+    return _short(error["msg"]).removeprefix("Input should be ")
+
+
 def _is_secret_loc(loc: KeyPath) -> bool:
     # launch.env.<NAME>: a rejected secret must not be echoed in the error that rejects it.
     return len(loc) >= 3 and loc[:2] == ("launch", "env") and is_secret_name(str(loc[2]))
@@ -494,8 +527,12 @@ def _short(msg: str) -> str:
 
 
 def _clean_loc(loc: tuple[Any, ...]) -> KeyPath:
-    # pydantic adds union branch names ("int", "literal['auto']") to locations.
-    return tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "bool", "str", "float"))))
+    # pydantic adds union branch names ("int", "constrained-int", "literal['auto']") to locations.
+    return tuple(p for p in loc if not (isinstance(p, str) and _is_branch_name(p)))
+
+
+def _is_branch_name(part: str) -> bool:
+    return "[" in part or part.startswith("constrained-") or part in ("int", "bool", "str", "float")
 
 
 def _model_at(path: KeyPath) -> type[BaseModel] | None:
@@ -525,7 +562,13 @@ def _known_keys(parent: KeyPath) -> list[str]:
 
 def _did_you_mean(loc: KeyPath) -> str | None:
     candidates = _known_keys(loc[:-1])
-    match = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.6)
+    typed = str(loc[-1])
+    # An abbreviation by initials (lr, mbs, gas) is what people type; spelling is the fallback
+    # (by spelling alone `lr` is closest to `lora`).
+    initials = [key for key in candidates if len(typed) > 1 and "".join(w[:1] for w in key.split("_")) == typed]
+    if len(initials) == 1:
+        return initials[0]
+    match = difflib.get_close_matches(typed, candidates, n=1, cutoff=0.6)
     return match[0] if match else None
 
 

@@ -132,7 +132,7 @@ def plan_for_job(
     allowed = allowed_from(inputs)
     precision = precision_for(inputs, bf16_supported=bf16_supported)
 
-    def planned(as_lora: bool) -> MemoryPlan:
+    def planned(as_lora: bool, allowed: Allowed = allowed, hardware: Hardware = hardware) -> MemoryPlan:
         return plan_memory(
             inputs.shape,
             allowed=allowed,
@@ -151,5 +151,11 @@ def plan_for_job(
         alternative = planned(True)
         if alternative.fits:
             plan = replace(plan, lora_alternative=alternative)
+        # NVMe is named only where no disk was measured (a measured one already had its chance) and no
+        # hand-written zero.config decides offload; its disk space is then preflight's to check.
+        if spec.accelerator == "gpu" and hardware.nvme is None and inputs.user_ds_config is None:
+            on_disk = planned(False, replace(allowed, offload="nvme"))
+            if on_disk.fits:
+                plan = replace(plan, nvme_alternative=on_disk)
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...errors import InputError
-from .search import MAX_NODES_SEARCHED, MemoryPlan, gib, lora_sets
+from .search import MAX_NODES_SEARCHED, NVME_SETS, MemoryPlan, gib, lora_sets
 
 
 class DoesNotFit(InputError):
@@ -48,6 +48,17 @@ def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
             f"offload {ac.offload}: {gib(a.gpu_required)} GiB per GPU (peak {gib(a.gpu_peak)} + margins), "
             f"{gib(max(alt.host_per_node))} GiB host RAM per node"
         )
+    disk = plan.nvme_alternative
+    if disk is not None:
+        d, dc = disk.estimate, disk.choice
+        lines.append(
+            f"offload to NVMe would fit these GPUs and host RAM (ZeRO-Infinity: parameters and optimizer states on "
+            f"each node's local disk; the slowest way, every step reads and writes them): micro-batch "
+            f"{dc.micro_batch_size}, gradient checkpointing {'on' if dc.gradient_checkpointing else 'off'}: "
+            f"{gib(d.gpu_required)} GiB per GPU, {gib(max(disk.host_per_node))} GiB host RAM per node, "
+            f"{gib(max(disk.hardware.slots_per_node) * d.nvme_per_rank)} GiB of NVMe per node "
+            "(preflight checks the folder, its free space and bandwidth)"
+        )
     return "\n".join(lines)
 
 
@@ -65,6 +76,8 @@ def fit_fix(plan: MemoryPlan) -> str:
     if plan.lora_alternative is not None and plan.lora_alternative.lora is not None:
         # Never chosen on its own (it changes what is trained): named, with its numbers above.
         fix += f"; or train LoRA adapters instead of all weights: {lora_sets(plan.lora_alternative.lora)}"
+    if plan.nvme_alternative is not None:
+        fix += f"; or offload to a local NVMe folder on every node: {NVME_SETS}"
     return fix
 
 

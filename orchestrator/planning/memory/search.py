@@ -121,6 +121,8 @@ class MemoryPlan:
     nvme_path: str | None = None  # zero.nvme_path, for a plan that offloads to NVMe
     # Full fine-tuning that does not fit: the LoRA plan (the job's train.lora) that would.
     lora_alternative: MemoryPlan | None = None
+    # Full fine-tuning that does not fit, disk not measured: the plan offloading to NVMe, if GPUs and RAM hold it.
+    nvme_alternative: MemoryPlan | None = None
     lora: LoraShape | None = None  # train.method: lora
     largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
 
@@ -190,6 +192,7 @@ class MemoryPlan:
             "trainable_params": self.estimate.trainable_params,
             "nvme": self._nvme_dict(),
             "lora_alternative": self._alternative_dict(),
+            "nvme_alternative": self._nvme_alternative_dict(),
             "precision": self.precision,
             "fused_loss": self.fused_loss,
             "seq_len": self.seq_len,
@@ -222,6 +225,20 @@ class MemoryPlan:
             "expected_io_s_per_step": round(self.nvme_step_s, 2) if self.nvme_step_s is not None else None,
         }
 
+    def _nvme_alternative_dict(self) -> dict[str, Any] | None:
+        alt = self.nvme_alternative
+        if alt is None:
+            return None
+        c = alt.choice
+        return {
+            "set": NVME_SETS,
+            "micro_batch_size": c.micro_batch_size,
+            "gradient_checkpointing": c.gradient_checkpointing,
+            "per_gpu_required_gib": gib(alt.estimate.gpu_required),
+            "host_per_node_gib": gib(max(alt.host_per_node)),
+            "nvme_per_node_gib": gib(max(alt.hardware.slots_per_node) * alt.estimate.nvme_per_rank),
+        }
+
     def _alternative_dict(self) -> dict[str, Any] | None:
         alt = self.lora_alternative
         if alt is None or alt.lora is None:
@@ -238,6 +255,9 @@ class MemoryPlan:
             "per_gpu_required_gib": gib(alt.estimate.gpu_required),
             "host_per_node_gib": gib(max(alt.host_per_node)),
         }
+
+
+NVME_SETS = "--set zero.offload=nvme --set zero.nvme_path=DIR"
 
 
 def lora_sets(lora: LoraShape) -> str:

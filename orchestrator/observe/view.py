@@ -18,6 +18,7 @@ from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 # bias-corrected; TensorBoard's slider defaults to 0.6, W&B's to a similar EMA.
 EMA_FACTOR = 0.9
 MAX_MESSAGES = 8
+ENDED_STATES = frozenset({"succeeded", "failed", "stopped"})
 STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "stopped": "yellow"}
 
 
@@ -53,8 +54,9 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
     if end and end.get("path"):
         parts.append(Text(f"model {end['path']}", style="bold"))
     notes = [m for m in watch.messages.values() if m.level == "info"]
-    if notes:
-        parts.append(Text(f"latest: {max(notes, key=lambda m: m.first_seen).text}", style="dim", no_wrap=True,
+    if notes and watch.state not in ENDED_STATES:
+        # What the job is doing now; once it has ended, the model line or the failure says it.
+        parts.append(Text(f"latest: {max(notes, key=lambda m: m.order).text}", style="dim", no_wrap=True,
                           overflow="ellipsis"))  # fmt: skip
     parts.append(_messages(watch))
     if watch.first_failure:
@@ -128,7 +130,7 @@ def _messages(watch: JobWatch) -> RenderableType:
     shown = [m for m in watch.messages.values() if m.level in ("error", "warning")]
     if not shown:
         return Text("no warnings from the ranks", style="dim")
-    shown.sort(key=lambda m: (m.level != "error", m.first_seen))
+    shown.sort(key=lambda m: (m.level != "error", m.order))
     lines = []
     for message in shown[:MAX_MESSAGES]:
         line = Text(no_wrap=True, overflow="ellipsis")

@@ -42,6 +42,8 @@ class Message:
     ranks: set[int] = field(default_factory=set)  # global ranks, when the launcher prefixed lines
     count: int = 0
     first_seen: float = 0.0
+    # Arrival order among all messages: one read of a log brings many lines at one clock reading.
+    order: int = 0
 
 
 @dataclass
@@ -136,7 +138,7 @@ class JobWatch:
         message = self.messages.get(text)
         is_new = message is None
         if message is None:
-            message = self.messages[text] = Message(text, level, first_seen=now)
+            message = self.messages[text] = Message(text, level, first_seen=now, order=len(self.messages))
         message.count += 1
         message.nodes.add(node_rank)
         if rank is not None:

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from orchestrator.commands.busy import busy
-from orchestrator.observe.lines import event_line, final_line, message_line
+from orchestrator.observe.lines import event_line, final_lines, message_line
 from orchestrator.observe.view import render
 from orchestrator.observe.watchstate import JobWatch, NodeView, block_chart, classify, ema, sparkline
 
@@ -85,7 +85,11 @@ def test_plain_lines_say_step_loss_lr_rate_and_eta():
         "checkpoint  step 1: /out/checkpoint-1",
     ]
     watch.state, watch.first_failure = "failed", {"node_rank": 0, "host": "node0", "exit_code": 1, "reason": "boom"}
-    assert final_line(watch, 125.0) == "failed  tiny-20261130-000000-abcd after 2m05s: rank 0 on node0 (exit 1): boom"
+    assert final_lines(watch, 125.0) == [
+        "failed  tiny-20261130-000000-abcd after 2m05s",
+        "first failure: node 0 (node0), exit 1: boom",
+    ]
+    assert final_lines(watch, 125.0, with_failure=False) == ["failed  tiny-20261130-000000-abcd after 2m05s"]
 
 
 def test_step_line_shows_padding_efficiency_when_the_trainer_reports_it():

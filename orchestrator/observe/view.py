@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .lines import rate_text
+from .rankfailure import failure_lines
 from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 
 # The loss's smoothing: an EMA with factor 0.9 (about the last 10 logging steps),
@@ -43,7 +44,12 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
         f"eta {format_duration(0 if watch.state == 'succeeded' else (last_step or {}).get('eta_s'))}",
     )
 
-    parts: list[RenderableType] = [header, bar, _metrics(watch, last_step, width)]
+    parts: list[RenderableType] = [header]
+    failure = watch.failure
+    if failure:
+        # At the top, once: the first failed rank's own words and fix (its traceback is in `dzctl logs`).
+        parts += [Text(line, style="bold red") for line in failure_lines(failure)]
+    parts += [bar, _metrics(watch, last_step, width)]
     parts.append(_nodes(watch, watch.ended_at or now))
     checkpoints = watch.checkpoints
     if checkpoints:
@@ -59,14 +65,6 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
         parts.append(Text(f"latest: {max(notes, key=lambda m: m.order).text}", style="dim", no_wrap=True,
                           overflow="ellipsis"))  # fmt: skip
     parts.append(_messages(watch))
-    if watch.first_failure:
-        f = watch.first_failure
-        parts.append(
-            Text(
-                f"first failure: rank {f['node_rank']} on {f['host']} (exit {f['exit_code']}): {f['reason']}",
-                style="bold red",
-            )
-        )
     return Group(*parts)
 
 

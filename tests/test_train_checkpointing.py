@@ -105,6 +105,18 @@ def test_a_transformers_without_the_new_name_gets_the_old_one():
     }
 
 
+def test_wrapping_with_lora_warns_about_no_old_name():
+    from orchestrator.spec.job import load_job
+    from orchestrator.train.model import lora
+
+    job = load_job(ROOT / "jobs" / "tiny-cpu.yaml", ["train.method=lora"])
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**job.spec.model.config))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lora.wrap(model, job)  # PEFT reads is_gradient_checkpointing inside get_peft_model
+    assert not [str(w.message) for w in seen if CHECKPOINT_WARNING.search(str(w.message))]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -51,8 +51,12 @@ def test_first_failure_is_the_earliest_end():
     assert first_failure(nodes, {}) == {
         "node_rank": 1,
         "host": "h1",
+        "rank": None,
         "exit_code": 137,
+        "node_exit_code": 137,
         "reason": "killed (SIGKILL, exit 137): OOM killer, docker kill, or a lost node",
+        "message": "killed (SIGKILL, exit 137): OOM killer, docker kill, or a lost node",
+        "fix": None,
     }
     assert first_failure(nodes, {1: "RuntimeError: boom"})["reason"] == "RuntimeError: boom"
     assert first_failure([node(0, "exited", 0, 1.0)], {}) is None

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.train import checkpoints
+from orchestrator.train.data.build import BAD_ROW_FIX
 from orchestrator.train.progress import read_events
 
 pytestmark = pytest.mark.slow
@@ -175,7 +176,10 @@ def test_malformed_row_is_an_error_event(tmp_path):
     assert f"error: {rows}:row 2: missing key 'output'" in result.stderr
     assert "Traceback" not in result.stderr
     (event,) = read_events(tmp_path / "out" / "progress.jsonl")
-    assert event["event"] == "error" and event["reason"] == f"{rows}:row 2: missing key 'output'"
+    message = f"{rows}:row 2: missing key 'output'"
+    assert event["event"] == "error" and event["reason"] == f"{message} (fix: {BAD_ROW_FIX})"
+    assert (event["message"], event["fix"], event["exit_code"]) == (message, BAD_ROW_FIX, 2)
+    assert f"fix: {BAD_ROW_FIX}" in result.stderr
     assert json.dumps(event)  # plain JSON
 
 

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from orchestrator.commands.busy import busy
-from orchestrator.observe.lines import event_line, final_line, message_line
+from orchestrator.observe.lines import event_line, final_lines, message_line
 from orchestrator.observe.view import render
 from orchestrator.observe.watchstate import JobWatch, NodeView, block_chart, classify, ema, sparkline
 
@@ -85,7 +85,11 @@ def test_plain_lines_say_step_loss_lr_rate_and_eta():
         "checkpoint  step 1: /out/checkpoint-1",
     ]
     watch.state, watch.first_failure = "failed", {"node_rank": 0, "host": "node0", "exit_code": 1, "reason": "boom"}
-    assert final_line(watch, 125.0) == "failed  tiny-20261130-000000-abcd after 2m05s: rank 0 on node0 (exit 1): boom"
+    assert final_lines(watch, 125.0) == [
+        "failed  tiny-20261130-000000-abcd after 2m05s",
+        "first failure: node 0 (node0), exit 1: boom",
+    ]
+    assert final_lines(watch, 125.0, with_failure=False) == ["failed  tiny-20261130-000000-abcd after 2m05s"]
 
 
 def test_step_line_shows_padding_efficiency_when_the_trainer_reports_it():
@@ -224,3 +228,39 @@ def test_only_launched_multi_rank_runs_get_the_prefix(monkeypatch):
     rankprefix.prefix_rank_output({"RANK": "1", "WORLD_SIZE": "2"})
     print("hello")
     assert out.getvalue() == "[rank1]:hello\n" and isinstance(sys.stderr, rankprefix.RankPrefixed)
+
+
+# The end of the tiny job as rank 0 prints it (train/run.py): the last step, its checkpoint, the
+# consolidation's two notes, the end event. The follow loop feeds one read of the log as one chunk.
+RUN_END = [
+    '[rank0]:dzctl-progress {"event": "step", "time": 20.0, "step": 30, "max_steps": 30, "epoch": 3.0,'
+    ' "loss": 4.1, "learning_rate": 0.003, "tokens_per_s": 2000.0, "eta_s": 0.0}',
+    '[rank0]:dzctl-progress {"event": "checkpoint", "time": 21.0, "step": 30, "max_steps": 30,'
+    ' "path": "/out/checkpoint-30"}',
+    "[rank0]:dzctl-train: consolidating the model into /out/model (gathering the ZeRO-3 shards)",
+    "[rank0]:dzctl-train: model consolidated in 0.4 s",
+    '[rank0]:dzctl-progress {"event": "end", "time": 22.0, "step": 30, "max_steps": 30, "loss": 4.5,'
+    ' "path": "/out/model"}',
+]
+
+
+def _latest(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("latest:")]
+
+
+def test_latest_is_the_last_note_printed_and_goes_once_the_job_has_ended():
+    watch = _watch()
+    _fed(watch)
+    for line in RUN_END[:3]:
+        watch.feed(0, line, 20.0)
+    watch.set_nodes({0: ("running", None)}, "running")
+    assert _latest(_text(render(watch, now=21.0))) == [
+        "latest: dzctl-train: consolidating the model into /out/model (gathering the ZeRO-3 shards)"
+    ]
+    watch.feed(0, RUN_END[3], 20.0)  # the same read of the log: the same clock
+    assert _latest(_text(render(watch, now=21.0))) == ["latest: dzctl-train: model consolidated in 0.4 s"]
+    watch.feed(0, RUN_END[4], 20.0)
+    watch.set_nodes({0: ("exited", 0)}, "succeeded")
+    text = _text(render(watch, now=23.0))
+    assert "SUCCEEDED" in text and "model /out/model" in text
+    assert _latest(text) == [] and "consolidating" not in text

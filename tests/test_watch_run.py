@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -89,6 +90,27 @@ def test_piped_follow_prints_plain_lines_at_most_two_per_step(piped_run):
     assert any(x.startswith("checkpoint  step 10: ") for x in after)
     assert any(x.startswith("end  step 20/20") for x in after)
     assert after[-1].startswith(f"succeeded  {piped_run['job_id']}")
+
+
+def test_the_view_of_the_real_log_once_succeeded_has_no_latest_note(piped_run):
+    """The consolidation's notes are the last a rank prints; once the job has ended they are not "latest"."""
+    from rich.console import Console
+
+    from orchestrator.observe.view import render
+    from orchestrator.observe.watchstate import JobWatch, NodeView
+
+    log = (piped_run["tmp"] / "remote" / "jobs" / piped_run["job_id"] / "rank-0.log").read_text(encoding="utf-8")
+    assert "dzctl-train: consolidating the model into" in log
+    watch = JobWatch("tiny-cpu", piped_run["job_id"], [NodeView(0, "localhost", 2)], 0.0, accelerator="cpu")
+    for line in log.splitlines():
+        watch.feed(0, line, 1.0)  # one read of the whole log: one clock reading, as the follow loop feeds it
+    watch.set_nodes({0: ("exited", 0)}, "succeeded")
+    watch.ended_at = 2.0
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(render(watch, now=2.0))
+    text = console.file.getvalue()
+    assert "SUCCEEDED" in text and f"model {piped_run['output'] / 'model'}" in text, text
+    assert "latest:" not in text and "consolidating" not in text, text
 
 
 def test_status_watch_off_a_terminal_replays_the_job_as_plain_lines(piped_run):

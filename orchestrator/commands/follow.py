@@ -14,7 +14,7 @@ import time
 import click
 
 from ..observe.hosts import gather_status, node_states, stop_nodes, stream_logs
-from ..observe.lines import event_line, final_line, message_line
+from ..observe.lines import event_line, final_lines, message_line
 from ..observe.status import JobStatus, derive_state, node_status, state_failed
 from ..observe.store import JobRecord, JobStore
 from ..observe.watchstate import JobWatch, NodeView
@@ -47,6 +47,7 @@ def follow_job(
     quiet: bool = False,
     mode: str = "raw",
     stop_gang: bool = True,
+    report_failure: bool = True,
 ) -> JobStatus:
     """Follow the job, stop the others when one rank fails, record and return the final status.
 
@@ -54,6 +55,8 @@ def follow_job(
     one JSON object. ``stop_gang``: ``launch --follow`` stops the surviving nodes
     at the first failed poll; ``status --watch`` only looks. (The trainers' own
     gang watchdog stops them too, with no dzctl attached, within its stale time.)
+    ``report_failure``: the plain lines end with the first failure and its fix; ``launch``
+    turns it off, since it reports the failure itself as its error (said once, last).
     """
     out = sys.stderr if quiet else sys.stdout
     watch = new_watch(record)
@@ -99,7 +102,7 @@ def follow_job(
         live.refresh()
         live.stop()
     elif mode == "lines":
-        out.write(final_line(watch, ended) + "\n")
+        out.write("".join(line + "\n" for line in final_lines(watch, ended, with_failure=report_failure)))
         out.flush()
     return status
 

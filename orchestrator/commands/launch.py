@@ -12,6 +12,7 @@ from rich.console import Console
 from ..backends import launcher
 from ..backends.fleet import SshFleet
 from ..errors import RuntimeFailure
+from ..observe.rankfailure import failure_lines
 from ..observe.store import JobStore
 from ..planning.launchplan import LaunchPlan, shell_line
 from ..preflight.render import print_report
@@ -132,13 +133,25 @@ def launch_command(
             # With --json, stdout keeps its one object and stderr the ranks' raw stream, as before:
             # a script asking for JSON wants every line, each prefixed with its rank and host.
             mode = "raw" if as_json else output_mode(raw)
-            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json, mode=mode)
+            status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json, mode=mode, report_failure=False)
     if as_json:
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":
-        failure = status.first_failure
-        where = f": node {failure['node_rank']} on {failure['host']}: {failure['reason']}" if failure else ""
-        raise RuntimeFailure(f"job {plan.job_id} {status.state}{where}", fix=f"dzctl logs {plan.job_id} --tail 100")
+        raise job_failed(plan.job_id, status.state, status.first_failure, shown_above=mode == "live")
+
+
+def job_failed(job_id: str, state: str, failure: dict | None, *, shown_above: bool = False) -> RuntimeFailure:
+    """The launch's error for a job that did not succeed: the first failed rank's message and own fix, once.
+
+    ``shown_above``: the live view's last frame has them at its top already; the error then only
+    says so. Without a fix of the rank's own, the fix is to read the logs.
+    """
+    if failure is None:
+        return RuntimeFailure(f"job {job_id} {state}", fix=f"dzctl logs {job_id} --tail 100")
+    if shown_above:
+        return RuntimeFailure(f"job {job_id} {state}: the first failure and its fix are at the top of the view")
+    what = failure_lines(failure)[0].removeprefix("first failure: ")
+    return RuntimeFailure(f"job {job_id} {state}: {what}", fix=failure.get("fix") or f"dzctl logs {job_id} --tail 100")
 
 
 def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json: bool) -> None:

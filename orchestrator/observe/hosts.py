@@ -22,11 +22,12 @@ from ..runtimes.control import (
     stop_argv,
 )
 from ..transport.pool import HostPool
+from .rankfailure import before_launcher_report, errors_in_log, rank_details, torchrun_root_cause
 from .status import (
     GANG_LINE,
     JobStatus,
     derive_state,
-    error_on_node,
+    error_event_on_node,
     failure_sequence,
     failure_sequence_in_log,
     first_failure,
@@ -91,12 +92,17 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         if seq is not None:
             sequence[rank] = min(seq, sequence.get(rank, seq))
     first = first_failure(nodes, {}, sequence, gang_stopped)
+    details: dict[int, dict] = {}
     if first is not None:
         rank = first["node_rank"]
-        # The trainer's own error event says it best; else the rank's log; else the exit code.
-        reason = error_on_node(errors, slots, rank) or _error_line(lines.get(rank, []))
+        found = lines.get(rank, [])
+        # The trainer's own error event says it best (rank 0's record, else the node's own log);
+        # else the rank's log; else the exit code.
+        event = error_event_on_node(errors, slots, rank) or error_event_on_node(errors_in_log(found), slots, rank)
+        reason = event["reason"] if event else _error_line(before_launcher_report(found))
         if reason:
             reasons[rank] = reason
+        details[rank] = rank_details(event, torchrun_root_cause(found))
     state = derive_state(record.state, nodes)
     return JobStatus(
         job=record.name,
@@ -105,7 +111,7 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         nodes=nodes,
         progress=progress,
         progress_age_s=age,
-        first_failure=first_failure(nodes, reasons, sequence, gang_stopped),
+        first_failure=first_failure(nodes, reasons, sequence, gang_stopped, details),
         preflight=record.preflight,
     )
 
@@ -160,11 +166,17 @@ def _rank_of(record: JobRecord, host: str) -> int:
     return next(n["node_rank"] for n in record.plan["nodes"] if n["host"] == host)
 
 
+# Enough for the rank's error event above torchrun's ChildFailedError traceback and summary
+# (about 45 lines), and the other local ranks' lines in between.
+LOG_TAIL_LINES = 200
+
+
 def _log_lines(record: JobRecord, conn, rank: int) -> list[str]:
-    """The last 50 non-empty lines of the rank's log."""
+    """The last non-empty lines of the rank's log."""
     node = record.plan["nodes"][rank]
     result = conn.run(
-        logs_argv(record.runtime, node, _python(record), tail=50, follow=False), timeout=INSPECT_TIMEOUT_S
+        logs_argv(record.runtime, node, _python(record), tail=LOG_TAIL_LINES, follow=False),
+        timeout=INSPECT_TIMEOUT_S,
     )
     return [x.strip() for x in (result.stdout + "\n" + result.stderr).splitlines() if x.strip()]
 

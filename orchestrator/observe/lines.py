@@ -1,4 +1,4 @@
-"""Plain lines for a pipe, CI or a file: one per logging step, plus start, checkpoint, end and messages.
+"""Plain lines for a pipe, CI or a file: one per logging step, plus start, checkpoint, end, messages, failure.
 
 Pure: each function turns one new thing (an event, a first-seen message, the
 final status) into a line, or ``None`` when it has nothing to say.
@@ -6,6 +6,7 @@ final status) into a line, or ``None`` when it has nothing to say.
 
 from __future__ import annotations
 
+from .rankfailure import failure_lines
 from .watchstate import JobWatch, Message, format_duration, ranks_text
 
 
@@ -48,8 +49,7 @@ def event_line(event: dict, watch: JobWatch) -> str | None:
         if event.get("path"):
             parts.append(f"model {event['path']}")
         return "  ".join(parts)
-    if kind == "error":
-        return f"error  rank {event.get('rank')}: {event.get('reason')}"
+    # An error event is said once, by final_lines, with the rank's exit code and fix.
     return None
 
 
@@ -59,9 +59,9 @@ def message_line(message: Message) -> str:
     return f"{label} [{ranks_text(message)}]  {message.text}"
 
 
-def final_line(watch: JobWatch, now: float) -> str:
-    line = f"{watch.state}  {watch.job_id} after {format_duration(now - watch.started_at)}"
-    failure = watch.first_failure
-    if failure:
-        line += f": rank {failure['node_rank']} on {failure['host']} (exit {failure['exit_code']}): {failure['reason']}"
-    return line
+def final_lines(watch: JobWatch, now: float, *, with_failure: bool = True) -> list[str]:
+    """The job's end; then, unless the caller reports it itself, the first failure and its fix."""
+    lines = [f"{watch.state}  {watch.job_id} after {format_duration(now - watch.started_at)}"]
+    if with_failure and watch.failure:
+        lines += failure_lines(watch.failure)
+    return lines

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..runtimes.control import NodeState
+from .rankfailure import error_details
 
 FAILED_NODE_STATES = frozenset({"dead"})
 
@@ -81,6 +82,7 @@ def first_failure(
     reasons: dict[int, str],
     sequence: dict[int, int] | None = None,
     gang_stopped: set[int] | frozenset[int] = frozenset(),
+    details: dict[int, dict] | None = None,
 ) -> dict | None:
     """The rank that failed first, decided without comparing node clocks (which may differ by minutes):
 
@@ -94,6 +96,10 @@ def first_failure(
        1 for the first to report), one counter on the master for all nodes;
     4. only then end times, which come from each node's own clock (two nodes killed outright leave
        nothing else), and the node rank.
+
+    ``details``: node rank -> what its failed rank said of itself (``rank``, ``message``, ``fix``,
+    ``exit_code``: see rankfailure.py). ``exit_code`` is then the rank's own, and
+    ``node_exit_code`` the node's (torchrun's 1 for any failed rank, or the container's).
     """
     failed = [n for n in nodes if node_failed(n)]
     if not failed:
@@ -107,11 +113,17 @@ def first_failure(
                 n.node_rank)  # fmt: skip
 
     first = min(failed, key=order)
+    found = (details or {}).get(first.node_rank, {})
+    reason = reasons.get(first.node_rank) or describe_exit(first)
     return {
         "node_rank": first.node_rank,
         "host": first.host,
-        "exit_code": first.exit_code,
-        "reason": reasons.get(first.node_rank) or describe_exit(first),
+        "rank": found.get("rank"),
+        "exit_code": found.get("exit_code", first.exit_code),
+        "node_exit_code": first.exit_code,
+        "reason": reason,
+        "message": found.get("message") or reason,
+        "fix": found.get("fix"),
     }
 
 
@@ -152,9 +164,9 @@ def parse_progress(
             last_step = {**(last_step or {}), "step": event["step"], "max_steps": event.get("max_steps"),
                          "event": event["event"]}  # fmt: skip
         if event.get("event") == "error":
-            error = {"rank": event.get("rank"), "reason": str(event.get("reason") or "error")}
-            if isinstance(event.get("failure_seq"), int):
-                error["failure_seq"] = event["failure_seq"]
+            error = error_details(event)
+            if not isinstance(error.get("failure_seq"), int):
+                error.pop("failure_seq", None)
             errors.append(error)
     progress = None
     if last_step is not None:
@@ -190,13 +202,23 @@ def job_events(text: str, job_id: str | None = None) -> list[dict]:
 
 
 def error_on_node(errors: list[dict], slots: list[int], node_rank: int) -> str | None:
-    """The first error event written by a rank of this node (global ranks follow node order)."""
+    """The reason of the first error event written by a rank of this node."""
+    event = error_event_on_node(errors, slots, node_rank)
+    return event["reason"] if event else None
+
+
+def error_event_on_node(errors: list[dict], slots: list[int], node_rank: int) -> dict | None:
+    """The first error event of a rank of this node (global ranks follow node order).
+
+    First by the store's failure counter where the events carry it: two ranks of a node that
+    fail together (one waiting on the other's data build) may write their events in either order.
+    """
     first = sum(slots[:node_rank])
     mine = range(first, first + slots[node_rank])
-    for error in errors:
-        if isinstance(error.get("rank"), int) and error["rank"] in mine:
-            return error["reason"]
-    return None
+    found = [e for e in errors if isinstance(e.get("rank"), int) and e["rank"] in mine]
+    if not found:
+        return None
+    return min(found, key=lambda e: (not isinstance(e.get("failure_seq"), int), e.get("failure_seq") or 0))
 
 
 FAILURE_SEQ_LINE = "dzctl failure-seq: "  # the trainer's own line, after its traceback (train/entry.py)

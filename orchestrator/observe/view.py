@@ -12,12 +12,14 @@ from rich.table import Table
 from rich.text import Text
 
 from .lines import rate_text
+from .rankfailure import failure_lines
 from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 
 # The loss's smoothing: an EMA with factor 0.9 (about the last 10 logging steps),
 # bias-corrected; TensorBoard's slider defaults to 0.6, W&B's to a similar EMA.
 EMA_FACTOR = 0.9
 MAX_MESSAGES = 8
+ENDED_STATES = frozenset({"succeeded", "failed", "stopped"})
 STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "stopped": "yellow"}
 
 
@@ -42,7 +44,12 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
         f"eta {format_duration(0 if watch.state == 'succeeded' else (last_step or {}).get('eta_s'))}",
     )
 
-    parts: list[RenderableType] = [header, bar, _metrics(watch, last_step, width)]
+    parts: list[RenderableType] = [header]
+    failure = watch.failure
+    if failure:
+        # At the top, once: the first failed rank's own words and fix (its traceback is in `dzctl logs`).
+        parts += [Text(line, style="bold red") for line in failure_lines(failure)]
+    parts += [bar, _metrics(watch, last_step, width)]
     parts.append(_nodes(watch, watch.ended_at or now))
     checkpoints = watch.checkpoints
     if checkpoints:
@@ -53,18 +60,11 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
     if end and end.get("path"):
         parts.append(Text(f"model {end['path']}", style="bold"))
     notes = [m for m in watch.messages.values() if m.level == "info"]
-    if notes:
-        parts.append(Text(f"latest: {max(notes, key=lambda m: m.first_seen).text}", style="dim", no_wrap=True,
+    if notes and watch.state not in ENDED_STATES:
+        # What the job is doing now; once it has ended, the model line or the failure says it.
+        parts.append(Text(f"latest: {max(notes, key=lambda m: m.order).text}", style="dim", no_wrap=True,
                           overflow="ellipsis"))  # fmt: skip
     parts.append(_messages(watch))
-    if watch.first_failure:
-        f = watch.first_failure
-        parts.append(
-            Text(
-                f"first failure: rank {f['node_rank']} on {f['host']} (exit {f['exit_code']}): {f['reason']}",
-                style="bold red",
-            )
-        )
     return Group(*parts)
 
 
@@ -128,7 +128,7 @@ def _messages(watch: JobWatch) -> RenderableType:
     shown = [m for m in watch.messages.values() if m.level in ("error", "warning")]
     if not shown:
         return Text("no warnings from the ranks", style="dim")
-    shown.sort(key=lambda m: (m.level != "error", m.first_seen))
+    shown.sort(key=lambda m: (m.level != "error", m.order))
     lines = []
     for message in shown[:MAX_MESSAGES]:
         line = Text(no_wrap=True, overflow="ellipsis")

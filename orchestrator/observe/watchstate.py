@@ -7,10 +7,16 @@ node states (``set_nodes``); the live view (``view.py``) and the plain lines
 - ``dzctl-progress {...}``: the trainer's progress events (start, step,
   checkpoint, end, error), the same records as ``progress.jsonl``;
 - noise a person never needs twice: the HF Trainer's own ``{'loss': ...}`` dict
-  (the step event says it), tqdm bars, the source line under a Python warning;
+  (the step event says it), tqdm bars, the source line under a Python warning, the
+  failure counter a failed rank prints for ``status``;
 - messages: anything else, kept once per distinct text with the nodes (and
   ranks, where the launcher prefixed them) it came from, and how often;
 - nothing: blank lines.
+
+A traceback counts as its last line only (``tracebacks.py``; torchrun's own, after a
+rank failed, as nothing), and what a rank's ``error`` event says (its message, its
+``error:``/``fix:`` lines) is kept once, as the failure: ``failure`` (view and lines
+show it, with the rank's exit code and fix, see ``rankfailure.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import json
 import re
 from dataclasses import dataclass, field
 
-PROGRESS_PREFIX = "dzctl-progress "
+from .rankfailure import PROGRESS_PREFIX, error_details
+from .status import FAILURE_SEQ_LINE
+from .tracebacks import EXCEPTION, NOISE, RETRACT, TracebackFolder
+
 # torchrun's per-rank prefix, when its --tee is on ("[rank3]:..." or "[default1]:...").
 _RANK_PREFIX = re.compile(r"^\[(?:rank)?(\d+)\]:\s?")
 _HF_LOG_DICT = re.compile(r"^\{'(loss|train_runtime|eval_loss|grad_norm)'")
@@ -42,6 +51,8 @@ class Message:
     ranks: set[int] = field(default_factory=set)  # global ranks, when the launcher prefixed lines
     count: int = 0
     first_seen: float = 0.0
+    # Arrival order among all messages: one read of a log brings many lines at one clock reading.
+    order: int = 0
 
 
 @dataclass
@@ -72,7 +83,12 @@ def classify(line: str) -> tuple[str, object]:
             return "message", ("info", stripped, rank)
         if isinstance(event, dict) and "event" in event:
             return "progress", event
-    if _HF_LOG_DICT.match(stripped) or _TQDM.search(stripped) or _WARNING_SOURCE.match(line):
+    if (
+        _HF_LOG_DICT.match(stripped)
+        or _TQDM.search(stripped)
+        or _WARNING_SOURCE.match(line)
+        or stripped.startswith(FAILURE_SEQ_LINE)  # for status's ordering of failures, not for a person
+    ):
         return "noise", None
     python_warning = _PY_WARNING.match(stripped)
     if python_warning:
@@ -96,6 +112,12 @@ class JobWatch:
     messages: dict[str, Message] = field(default_factory=dict)
     first_failure: dict | None = None
     ended_at: float | None = None
+    errors: list[dict] = field(default_factory=list)  # the ranks' error events, as rankfailure.error_details
+    # Lines that say what an error event already says (the rank's "error:"/"fix:" lines, the last
+    # line of its traceback): shown once, through the event.
+    _said: set[str] = field(default_factory=set)
+    _tracebacks: TracebackFolder = field(default_factory=TracebackFolder)
+    _arrivals: int = 0  # messages seen so far, for Message.order
 
     @property
     def steps(self) -> list[dict]:
@@ -124,24 +146,79 @@ class JobWatch:
         node = self.nodes[node_rank] if 0 <= node_rank < len(self.nodes) else None
         if node is not None:
             node.last_output = now
-        kind, payload = classify(line)
+        folded, exception = self._tracebacks.take(node_rank, line)
+        if folded == RETRACT:
+            # The line was a chained exception's cause: the exception raised last is what it says.
+            cause = self.messages.get(exception or "")
+            if cause is not None and cause.count == 1:
+                del self.messages[cause.text]
+            return None
+        if folded == NOISE:
+            return None
+        if folded == EXCEPTION:
+            prefix = _RANK_PREFIX.match(line)
+            kind, payload = "message", ("error", exception, int(prefix.group(1)) if prefix else None)
+        else:
+            kind, payload = classify(line)
         if kind == "progress":
             event = payload  # type: ignore[assignment]
             self.events.append(event)
             self._note_memory(event)
+            if event.get("event") == "error":
+                self._note_error(event)
             return "event", event
         if kind != "message":
             return None
         level, text, rank = payload  # type: ignore[misc]
+        if text in self._said:
+            return None
         message = self.messages.get(text)
         is_new = message is None
         if message is None:
-            message = self.messages[text] = Message(text, level, first_seen=now)
+            self._arrivals += 1
+            message = self.messages[text] = Message(text, level, first_seen=now, order=self._arrivals)
         message.count += 1
         message.nodes.add(node_rank)
         if rank is not None:
             message.ranks.add(rank)
         return ("message", message) if is_new else None
+
+    def _note_error(self, event: dict) -> None:
+        error = error_details(event)
+        self.errors.append(error)
+        message = error.get("message") or error["reason"]
+        said = {error["reason"], message, f"error: {message}"}
+        if error.get("fix"):
+            said.add(f"fix: {error['fix']}")
+        self._said |= said
+        for text in said:  # printed before the event reached us (two streams of one container)
+            self.messages.pop(text, None)
+
+    @property
+    def failure(self) -> dict | None:
+        """The first failure once status decided it; until then the first error event a rank wrote."""
+        if self.first_failure is not None or not self.errors:
+            return self.first_failure
+        error = self.errors[0]
+        rank = error.get("rank")
+        node = self._node_of_rank(rank) if isinstance(rank, int) else None
+        return {
+            "node_rank": node.node_rank if node else "?",
+            "host": node.host if node else "?",
+            "rank": rank,
+            "exit_code": error.get("exit_code"),
+            "reason": error["reason"],
+            "message": error.get("message") or error["reason"],
+            "fix": error.get("fix"),
+        }
+
+    def _node_of_rank(self, rank: int) -> NodeView | None:
+        first = 0
+        for node in self.nodes:
+            if first <= rank < first + node.slots:
+                return node
+            first += node.slots
+        return None
 
     def _note_memory(self, event: dict) -> None:
         # Step events carry rank 0's peak; the end event every rank's [allocated, reserved].

@@ -106,21 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         from .gang import report_failure
 
         failure_seq = report_failure(reason)
+        code = exc.exit_code if isinstance(exc, DzError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+        # The event first: a watcher that has it knows the lines below say the same (see
+        # observe/watchstate.py), and shows the message, its fix and this rank's exit code once.
+        if log is not None:
+            try:
+                extra = {} if failure_seq is None else {"failure_seq": failure_seq}
+                log.write("error", reason=reason, rank=_rank(), exit_code=code, **_message_and_fix(exc), **extra)
+            except OSError as write_error:
+                print(f"error: cannot write {log.path}: {write_error}", file=sys.stderr)
         if isinstance(exc, DzError):
             print(f"error: {exc.message}", file=sys.stderr)
             if exc.fix:
                 print(f"fix: {exc.fix}", file=sys.stderr)
-            code = exc.exit_code
         else:
             # A crash inside torch/DeepSpeed: the traceback is the container log's evidence.
             traceback.print_exc()
-            code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        if log is not None:
-            try:
-                extra = {} if failure_seq is None else {"failure_seq": failure_seq}
-                log.write("error", reason=reason, rank=_rank(), **extra)
-            except OSError as write_error:
-                print(f"error: cannot write {log.path}: {write_error}", file=sys.stderr)
         if failure_seq is not None:
             # Last, so the log's tail keeps it: status orders failures by it, not by node clocks.
             print(f"dzctl failure-seq: {failure_seq} (node's place among the job's failure reports)", file=sys.stderr)
@@ -173,6 +174,13 @@ def exit_rank(code: int) -> NoReturn:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _message_and_fix(exc: BaseException) -> dict[str, str | None]:
+    """The error event's ``message`` and ``fix``, apart (``reason`` joins them on one line)."""
+    if isinstance(exc, DzError):
+        return {"message": exc.message.strip().splitlines()[0] if exc.message.strip() else "", "fix": exc.fix}
+    return {"message": _one_line(exc), "fix": None}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -6,7 +6,9 @@ user) always wins.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import tempfile
 from collections.abc import MutableMapping
 
@@ -53,12 +55,30 @@ def quiet_known_warnings() -> None:
     DeepSpeed 0.19 calls torch's deprecated collective names on every ZeRO-3
     step; left alone they bury the job's log (and `dzctl logs`) under thousands
     of identical FutureWarnings. The DataLoader's pin_memory warning on CPU runs
-    is the same kind. Anything else still shows.
+    is the same kind, and so are Liger's lines about optional backends (below).
+    Anything else still shows.
     """
     import warnings
 
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true but no accelerator")
+    logging.getLogger(LIGER_REGISTRY).addFilter(_drop_missing_optional_liger_backends)
+
+
+# Liger-Kernel (0.8.5) probes every backend it ships the first time each op runs, and logs one
+# warning per backend whose package is missing. Ascend (Huawei NPUs), the CuTe DSL and cuTile
+# are optional alternatives it falls back from to its Triton kernels: on GPU nodes these lines
+# repeat for every op and rank and read like a broken install. A Triton backend that fails to
+# import is a real problem (no Liger on this GPU), and stays.
+LIGER_REGISTRY = "liger_kernel.backends.registry"
+_OPTIONAL_LIGER_BACKEND = re.compile(
+    r"^Backend impl 'liger_kernel\.ops\.backends\._(ascend|cutedsl|cutile)\.[\w.]+' for op '\w+' "
+    r"could not be imported: (ImportError|ModuleNotFoundError): "
+)
+
+
+def _drop_missing_optional_liger_backends(record: logging.LogRecord) -> bool:
+    return not _OPTIONAL_LIGER_BACKEND.match(record.getMessage())
 
 
 def cuda_arch_default(env: MutableMapping[str, str] | None = None) -> str | None:

@@ -7,7 +7,8 @@ CPU): ``event`` (start|step|checkpoint|end|error), ``time`` (Unix seconds),
 ``step``, ``max_steps``, ``epoch``, ``loss``, ``learning_rate``, ``tokens_per_s``
 (the whole job: all ranks, real tokens, padding left out), ``samples_per_s`` (whole
 job, examples), ``gpu_mem_peak_gib`` (this rank's ``max_memory_allocated``), ``eta_s``.
-Extra keys: ``reason`` and ``rank`` on ``error``, ``path`` on ``checkpoint`` and
+Extra keys: ``reason`` (one line, its fix included), ``message``, ``fix``, ``rank`` and
+``exit_code`` (the rank's own) on ``error``, ``path`` on ``checkpoint`` and
 ``end`` (the consolidated model), ``step_time_s`` on ``step``;
 ``processed_tokens_per_s`` (every position computed, padding included) and
 ``padding_efficiency`` (real / processed) on ``step`` and ``end``; ``packing`` and

@@ -41,7 +41,7 @@ from . import checkpoints, gang
 from .data import conversations, prepare
 from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
-from .model import attention, lora, loss
+from .model import attention, checkpointing, lora, loss
 from .progress import ProgressLog, finite
 
 CONSOLIDATED = "model"
@@ -189,9 +189,7 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         lr_scheduler_type=train.lr_scheduler,
         bf16=settings.precision == "bf16",
         fp16=settings.precision == "fp16",
-        gradient_checkpointing=settings.gradient_checkpointing,
-        # Non-reentrant checkpointing is the one that works with ZeRO-3's parameter hooks.
-        gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
+        **checkpointing.trainer_arguments(settings.gradient_checkpointing, TrainingArguments),
         save_strategy="steps" if save else "no",
         save_steps=train.save_steps,
         # Not the Trainer's: it rotates before dzctl's marker exists. ProgressCallback rotates
@@ -330,8 +328,12 @@ class ProgressCallback(TrainerCallback):
             "gpu_mem_peak_gib": round(peak, 3) if peak is not None else None,
         }
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.last_end = time.perf_counter()
+        if self.ranks.rank == 0 and model is not None:
+            # The Trainer has switched checkpointing on (or not) by now: say what the layers will do.
+            on, layers = checkpointing.layers_checkpointed(model)
+            print(f"dzctl-train: activation checkpointing in {on} of {layers} decoder layers", flush=True)
         if self.ranks.rank == 0:
             self.log.write("start", **self._common(state), world_size=self.ranks.world_size, **self.start_extra)
 

@@ -46,6 +46,10 @@ PROGRESS_EVERY_S = 5.0
 MAX_WORKERS = 32  # a bound the planner counts with (planning/memory/estimate.py DATA_MAX_WORKERS)
 
 
+# What the ranks say of a bad row (data.on_error: fail): what the controller's check of the first rows says.
+BAD_ROW_FIX = "fix the row, set data.format (and data.columns) to what the file holds, or set data.on_error: skip"
+
+
 @dataclass(frozen=True)
 class BuildSettings:
     max_seq_len: int
@@ -255,7 +259,7 @@ def build(
                         messages = to_messages(row, source.spec.format or "alpaca", where, source.spec.columns)
                     except DataError as exc:
                         if settings.on_error == "fail":
-                            raise
+                            raise DataError(exc.message, fix=exc.fix or BAD_ROW_FIX) from None
                         stat.skipped += 1
                         if len(skipped_lines) < 20:
                             skipped_lines.append(str(exc))

@@ -36,6 +36,7 @@ import torch
 from ...errors import InputError
 from ...spec.job import LoadedJob, LoraSpec
 from .. import checkpoints
+from . import checkpointing
 
 ADAPTER = "adapter"
 MERGED = "model"
@@ -64,7 +65,8 @@ def wrap(model, loaded: LoadedJob):
 
     spec = loaded.spec.train.lora
     try:
-        peft_model = get_peft_model(model, lora_config(spec))
+        with checkpointing.peft_reads_the_old_name():
+            peft_model = get_peft_model(model, lora_config(spec))
     except ValueError as exc:
         if "not found in the base model" not in str(exc):
             raise

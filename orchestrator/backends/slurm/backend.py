@@ -330,32 +330,44 @@ def stream_logs(
     """Every rank's log from the shared job dir, each line prefixed ``[rank host] ``, as the SSH fleet's."""
     write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     chosen = [n for n in record.plan["nodes"] if ranks is None or n["node_rank"] in ranks]
+    # Offsets count the file's bytes: text read in text mode is shorter (CRLF becomes LF) or longer
+    # (a replacement character is 3 bytes) than what it was read from, and following would repeat or skip.
     offsets: dict[int, int] = {}
     for node in chosen:
         rank = node["node_rank"]
-        path = rank_log(record, rank)
-        text = path.read_text(errors="replace") if path.exists() else ""
-        shown = text.splitlines(keepends=True)
+        data = _read_from(rank_log(record, rank), 0)
+        # While following, a partial last line waits for its end (printed once, whole, by the loop).
+        whole = data[: data.rfind(b"\n") + 1] if follow else data
+        shown = whole.decode(errors="replace").splitlines(keepends=True)
         if tail is not None:
             shown = shown[-tail:] if tail else []
         _write_lines(write, record, rank, "".join(shown))
-        offsets[rank] = len(text.encode())
+        offsets[rank] = len(whole)
     while follow:
-        ended = slurm_state(record) not in ("pending", "running")
+        ended = _ended(record)
         for node in chosen:
             rank = node["node_rank"]
-            path = rank_log(record, rank)
-            if path.exists():
-                with open(path, "rb") as handle:
-                    handle.seek(offsets[rank])
-                    chunk = handle.read()
-                # Whole lines only: a partial last line waits for its end.
-                keep = chunk.rfind(b"\n") + 1 if not ended else len(chunk)
-                _write_lines(write, record, rank, chunk[:keep].decode(errors="replace"))
-                offsets[rank] += keep
+            chunk = _read_from(rank_log(record, rank), offsets[rank])
+            # Whole lines only: a partial last line waits for its end.
+            keep = chunk.rfind(b"\n") + 1 if not ended else len(chunk)
+            _write_lines(write, record, rank, chunk[:keep].decode(errors="replace"))
+            offsets[rank] += keep
         if ended:
             return
         time.sleep(1.0)
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read()
+    except FileNotFoundError:
+        return b""  # the rank has not started yet
+
+
+def _ended(record: JobRecord) -> bool:
+    return slurm_state(record) not in ("pending", "running")
 
 
 def _write_lines(write, record: JobRecord, rank: int, text: str) -> None:

@@ -26,6 +26,7 @@ MASTER = "$" + MASTER_VAR  # what the plan carries as master address; the script
 IFNAME_VAR = "DZCTL_IFNAME"  # this node's NIC toward the master, as preflight found it in the allocation
 NODE_NAME = "slurm-node-{rank}"  # the plan's name for a node Slurm has not chosen yet
 BATCH_LOG = "slurm-%j.out"  # the batch step's own output (preflight report, srun's messages)
+COMMENT = "dzctl:{job_id}"  # the Slurm job's comment: how squeue finds it before its id is known (jobid.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
         ("--nodes", str(len(plan.nodes))),
         ("--ntasks-per-node", "1"),
         ("--output", f"{job_dir}/{BATCH_LOG}"),
+        ("--comment", COMMENT.format(job_id=plan.job_id)),
     ]
     for option, value in (("--partition", request.partition), ("--account", request.account),
                           ("--time", request.time)):  # fmt: skip

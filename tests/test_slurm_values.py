@@ -19,6 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "jobs/tiny-cpu.yaml"
 
 
+def _job_copy(tmp_path: Path, extra: str) -> Path:
+    """The tiny job with ``extra`` appended, in its own folder (its data file named by absolute path)."""
+    job = tmp_path / "job.yaml"
+    data = TINY.parent / "data/tiny-alpaca-zh.jsonl"
+    job.write_text(TINY.read_text().replace("path: data/tiny-alpaca-zh.jsonl", f"path: {data}") + extra)
+    return job
+
+
 def _dry_run(tmp_path: Path, *args: str, job: Path = TINY) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "orchestrator", "launch", str(job), "--slurm", "--dry-run", *args]
     return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "DZCTL_HOME": str(tmp_path)})
@@ -47,8 +55,7 @@ def test_a_hostile_slurm_option_exits_2_naming_the_option_and_its_form(tmp_path,
 
 
 def test_the_same_values_in_the_spec_are_refused_by_the_same_rule(tmp_path):
-    job = tmp_path / "job.yaml"
-    job.write_text(TINY.read_text() + 'slurm:\n  nodes: 1\n  time: "1:00:00 --exclusive"\n')
+    job = _job_copy(tmp_path, 'slurm:\n  nodes: 1\n  time: "1:00:00 --exclusive"\n')
     result = _dry_run(tmp_path, job=job)
     assert result.returncode == 2, result.stderr
     assert f"{job}:" in result.stderr and "slurm.time" in result.stderr
@@ -61,8 +68,7 @@ def test_the_same_values_in_the_spec_are_refused_by_the_same_rule(tmp_path):
 
 
 def test_a_line_break_in_the_job_dir_never_becomes_a_script_line(tmp_path):
-    job = tmp_path / "job.yaml"
-    job.write_text(TINY.read_text() + '  remote_dir: "/shared/x\\ntouch PWNED3 #"\n')
+    job = _job_copy(tmp_path, '  remote_dir: "/shared/x\\ntouch PWNED3 #"\n')
     result = _dry_run(tmp_path, job=job)
     assert result.returncode == 2, result.stdout
     assert "touch PWNED3" not in result.stdout

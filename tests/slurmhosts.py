@@ -308,14 +308,17 @@ class SlurmCluster:
             + "\n"
         )
         os.chmod(conf, 0o600)
+        self._start_slurmdbd()
+        added = self.client(["sacctmgr", "--immediate", "add", "cluster", self.name], check=False, timeout=60)
+        if added.returncode != 0:
+            raise TestHostError(f"sacctmgr add cluster: {added.stdout}{added.stderr}" + self.daemon_logs()[-3000:])
+
+    def _start_slurmdbd(self) -> None:
         self._spawn(
             self.in_namespace(["env", f"SLURM_CONF={self.conf}", "slurmdbd", "-D"], hostname=self.controller_name),
             "slurmdbd.out",
         )  # fmt: skip
         self._wait(lambda: _port_open(self.hosts.gateway, self.dbd_port), 60, "slurmdbd")
-        added = self.client(["sacctmgr", "--immediate", "add", "cluster", self.name], check=False, timeout=60)
-        if added.returncode != 0:
-            raise TestHostError(f"sacctmgr add cluster: {added.stdout}{added.stderr}" + self.daemon_logs()[-3000:])
 
     def _start_slurmctld(self) -> None:
         (self.run / "ctld-state").mkdir(exist_ok=True)
@@ -325,6 +328,25 @@ class SlurmCluster:
             "slurmctld.out",
         )  # fmt: skip
         self._wait(lambda: self._answers(["scontrol", "ping"], "UP"), 30, "slurmctld")
+
+    @contextlib.contextmanager
+    def unreachable(self):
+        """Slurm stopped while the block runs: slurmctld and slurmdbd (so squeue, scontrol, scancel and
+        sacct all fail), then started again on their saved state. The slurmds and their job steps run on."""
+        stopped = [p for p in self._procs if {"slurmctld", "slurmdbd"} & set(p.args) and p.poll() is None]
+        for proc in stopped:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            self._procs.remove(proc)  # ended on purpose: _wait would read it as a daemon that died
+            self.hosts.keep.discard(proc.pid)
+        try:
+            yield
+        finally:
+            if self.accounting:
+                self._start_slurmdbd()
+            self._start_slurmctld()
+            back = {"idle", "allocated", "mixed"}
+            self._wait(lambda: bool(states := self.node_states()) and states <= back, 120, "the nodes back")
 
     def _start_slurmd(self, host) -> None:
         # With docker hosts, the node's own dockerd is its /run/docker.sock in slurmd's mount namespace

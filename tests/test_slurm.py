@@ -175,22 +175,43 @@ class SlurmController:
         if image:
             self.sets.append(f"image={image}")
 
-    def dzctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    def argv_env(self, *args: str, path_first: Path | None = None) -> tuple[list[str], dict[str, str]]:
         env = {**self.cluster.env, "DZCTL_HOME": str(self.home), "PYTHONPATH": str(ROOT)}
         env.pop("DOCKER_HOST", None)  # each node's job steps talk to that node's own dockerd
+        if path_first is not None:
+            env["PATH"] = f"{path_first}:{env['PATH']}"
         # dzctl as a login node runs it: Slurm's client commands reach this cluster's munged.
-        argv = self.cluster.in_namespace([sys.executable, "-m", "orchestrator", *args])
+        return self.cluster.in_namespace([sys.executable, "-m", "orchestrator", *args]), env
+
+    def dzctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        argv, env = self.argv_env(*args)
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
 
-    def launch(self, *extra: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
+    def launch_argv(self, *extra: str, steps: int) -> list[str]:
         sets = [item for s in [*self.sets, f"train.max_steps={steps}"] for item in ("--set", s)]
-        return self.dzctl("launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm", *sets, *extra, timeout=timeout)
+        return ["launch", str(ROOT / "jobs/tiny-cpu.yaml"), "--slurm", *sets, *extra]
 
-    def slurm_job_id(self) -> str:
+    def launch(self, *extra: str, steps: int, timeout: float = 900) -> subprocess.CompletedProcess:
+        return self.dzctl(*self.launch_argv(*extra, steps=steps), timeout=timeout)
+
+    def launch_in_background(self, *extra: str, steps: int, path_first: Path) -> subprocess.Popen:
+        """A launch whose Slurm commands are found in ``path_first`` first (a wrapper around the real sbatch)."""
+        argv, env = self.argv_env(*self.launch_argv(*extra, steps=steps), path_first=path_first)
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)  # fmt: skip
+
+    def record(self):
         from orchestrator.observe.store import JobStore
 
         with JobStore(self.home / "jobs.sqlite") as store:
-            return store.get(self.job).plan["slurm"]["job_id"]
+            return store.get(self.job)
+
+    def slurm_job_id(self) -> str:
+        from orchestrator.backends.slurm.jobid import slurm_job_id
+
+        found = slurm_job_id(self.record())  # kept in the job dir once sbatch answered
+        assert found, "no Slurm job id kept for the job"
+        return found
 
     def status(self) -> dict:
         result = self.dzctl("status", self.job, "--json")
@@ -321,3 +342,176 @@ def test_a_failed_check_inside_the_allocation_ends_the_job_before_training(slurm
     # The same report as `dzctl preflight`, in the batch log.
     batch_log = next(Path(f"{controller.remote}/jobs/{status['job_id']}").glob("slurm-*.out")).read_text()
     assert "python-env" in batch_log and "/nonexistent/python3" in batch_log
+
+
+# -- trust (issue 28): Slurm unreachable, the record before sbatch, what sbatch reads ------------------
+def _wrap_sbatch(folder: Path, before: str = "", after: str = "") -> Path:
+    """``folder/sbatch``: the real sbatch, with shell lines run before it and after it answered."""
+    import shutil
+
+    real = shutil.which("sbatch") or "/usr/bin/sbatch"
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "sbatch"
+    lines = ["#!/bin/sh", before, f'out="$({real} "$@")"; code=$?', after, 'printf "%s\\n" "$out"; exit "$code"']
+    wrapper.write_text("\n".join(lines) + "\n")
+    wrapper.chmod(0o755)
+    return folder
+
+
+@pytest.fixture
+def process_controller(slurm_process, tmp_path):
+    """A process-runtime controller whose job is stopped at the end, whatever the test left running."""
+    made = SlurmController(slurm_process, tmp_path, "process")
+    yield made
+    made.dzctl("stop", made.job)
+
+
+def _wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None:
+            pytest.fail(f"the launch ended ({process.returncode}) first: {process.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.2)
+
+
+def _end(process: subprocess.Popen) -> None:
+    import signal
+
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_stop_with_slurm_down_names_each_node_whose_rank_runs_and_status_never_reads_stopped(
+    process_controller, slurm_process
+):
+    controller = process_controller
+    result = controller.launch("--detach", steps=100000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    controller.wait_for(lambda s: (s["progress"] or {}).get("step", 0) >= 1, 600, "training to reach step 1")
+    job_dir = Path(f"{controller.remote}/jobs/{controller.status()['job_id']}")
+    with slurm_process.unreachable():
+        stopped = controller.dzctl("stop", controller.job, "--json", timeout=300)
+        assert stopped.returncode == 1, (stopped.stdout, stopped.stderr)
+        hosts = json.loads(stopped.stdout)["hosts"]
+        assert set(hosts) == {"node0", "node1"}, hosts
+        for host, outcome in hosts.items():
+            assert outcome.startswith("error: rank ") and "still running" in outcome, (host, outcome)
+        assert "could not stop job" in stopped.stderr and "node0" in stopped.stderr and "node1" in stopped.stderr
+        shown = controller.dzctl("status", controller.job, "--json")
+        assert shown.returncode == 1, shown.stdout
+        error = json.loads(shown.stdout)
+        assert "state is unknown" in error["error"] and "rank 0 on node0 running" in error["error"], error
+        # The ranks ran on all along: their records have no end.
+        for rank in (0, 1):
+            assert json.loads((job_dir / f"rank-{rank}.json").read_text()).get("exit_code") is None
+    assert controller.record().state not in ("stopped", "failed", "succeeded")
+    # Slurm answers again: the same stop now stops it.
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert set(json.loads(stopped.stdout)["hosts"].values()) == {"stopped"}
+    assert controller.status()["state"] == "stopped"
+    assert controller.leftovers() == ""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_job_is_recorded_before_sbatch_runs_and_a_relaunch_is_refused_meanwhile(process_controller, tmp_path):
+    controller = process_controller
+    gate = tmp_path / "gate"
+    wrappers = _wrap_sbatch(
+        tmp_path / "bin", before=f"touch {gate}.called; while [ ! -e {gate}.open ]; do sleep 0.2; done"
+    )
+    launching = controller.launch_in_background("--detach", steps=3, path_first=wrappers)
+    try:
+        _wait_for_file(Path(f"{gate}.called"), launching)
+        # sbatch has not run yet: the job is there, pending, no rank started.
+        status = controller.status()
+        assert status["state"] == "pending", status
+        assert [n["state"] for n in status["nodes"]] == ["missing", "missing"]
+        again = controller.launch("--detach", steps=3)
+        assert again.returncode == 2, again.stderr[-3000:]
+        assert f"job {controller.job!r} is still pending" in again.stderr and "sbatch has not answered" in again.stderr
+        Path(f"{gate}.open").touch()
+        _, err = launching.communicate(timeout=120)
+        assert launching.returncode == 0, err[-3000:]
+    finally:
+        _end(launching)
+    slurm_id = controller.slurm_job_id()
+    assert controller.status()["state"] in ("pending", "running")
+    comment = controller.cluster.client(["squeue", "-h", "-j", slurm_id, "-o", "%k"]).stdout.strip()
+    assert comment == f"dzctl:{controller.status()['job_id']}"
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert controller.status()["state"] == "stopped"
+    assert controller.leftovers() == ""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_controller_killed_after_sbatch_leaves_a_job_that_status_relaunch_and_stop_find(process_controller, tmp_path):
+    controller = process_controller
+    submitted = tmp_path / "submitted"
+    # The real sbatch queues the job; then this controller dies before it could keep the id.
+    wrappers = _wrap_sbatch(tmp_path / "bin", after=f"touch {submitted}; sleep 600")
+    launching = controller.launch_in_background("--detach", steps=100000, path_first=wrappers)
+    try:
+        _wait_for_file(submitted, launching)
+    finally:
+        _end(launching)
+    record = controller.record()
+    assert record.state == "starting"
+    assert not (Path(record.plan["nodes"][0]["job_dir"]) / "slurm-job-id").exists()
+    status = controller.status()
+    assert status["state"] in ("pending", "running"), status
+    queued = controller.cluster.client(["squeue", "-h", "-n", controller.job, "-o", "%i"]).stdout.split()
+    assert len(queued) == 1
+    again = controller.launch("--detach", steps=3)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert f"slurm job {queued[0]}" in again.stderr
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert controller.status()["state"] == "stopped"
+    assert controller.cluster.client(["squeue", "-h", "-n", controller.job]).stdout.strip() == ""
+    assert controller.leftovers() == ""
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_job_sbatch_refuses_is_recorded_failed_with_sbatchs_reason(process_controller):
+    controller = process_controller
+    result = controller.launch("--detach", "--partition", "nosuch", steps=3)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "sbatch refused the job" in result.stderr
+    status = controller.status()
+    assert status["state"] == "failed"
+    assert "sbatch refused the job" in status["first_failure"]["reason"], status
+    assert "invalid partition" in status["first_failure"]["reason"].lower(), status
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_sbatch_reads_a_quoted_job_dir_with_a_blank_and_the_batch_log_lands_where_dzctl_reads_it(process_controller):
+    controller = process_controller
+    controller.remote += " my runs #2"
+    controller.sets = [s for s in controller.sets if not s.startswith("launch.remote_dir=")]
+    controller.sets.append(f"launch.remote_dir='{controller.remote}'")
+    result = controller.launch("--detach", steps=100000)
+    assert result.returncode == 0, result.stderr[-3000:]
+    slurm_id = controller.slurm_job_id()
+    job_dir = Path(f"{controller.remote}/jobs/{controller.status()['job_id']}")
+    shown = controller.cluster.client(["scontrol", "show", "job", slurm_id]).stdout
+    assert f"StdOut={job_dir}/slurm-{slurm_id}.out\n" in shown, shown
+    from orchestrator.backends.slurm.backend import batch_log_path
+
+    assert batch_log_path(controller.record()) == job_dir / f"slurm-{slurm_id}.out"
+    deadline = time.monotonic() + 120
+    while not (job_dir / f"slurm-{slurm_id}.out").exists():
+        assert time.monotonic() < deadline, "no batch log at the quoted path"
+        time.sleep(1)
+    stopped = controller.dzctl("stop", controller.job, "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert controller.leftovers() == ""

@@ -304,13 +304,14 @@ def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, progress: Pro
 
 # -- Slurm: the same plan, submitted with sbatch (orchestrator/backends/slurm) -------------------------------
 def slurm_request(job: LoadedJob, **given) -> SlurmRequest:
-    """The spec's ``slurm:`` section with the options given (None = not given) on top."""
+    """The spec's ``slurm:`` section with the options given (None = not given) on top, each value
+    checked as the spec's key is (exit 2 naming the option and its allowed form)."""
     import sys
 
     from .slurm.script import SlurmRequest
+    from .slurm.values import checked_request_values
 
-    section = job.spec.slurm.model_dump() if job.spec.slurm else {}
-    chosen = {**section, **{k: v for k, v in given.items() if v is not None}}
+    chosen = checked_request_values(job, given)
     chosen.pop("gpu_mem_gib", None)
     # The allocation's own steps run dzctl's Python: by default the one submitting (a shared install).
     chosen["python"] = chosen.get("python") or sys.executable
@@ -325,13 +326,9 @@ def slurm_plan(
     ``secret_names``: those of the job's ``JobInputs`` when it was read already (else read here).
     """
     from .slurm.script import IFNAME_VAR, MASTER, batch_script, planned_nodes, uses_preflight
+    from .slurm.values import check_job_paths
 
-    if "{host}" in job.spec.launch.remote_dir or "{host}" in (job.spec.train.output_dir or ""):
-        raise SpecError(
-            f"{job.where('launch.remote_dir')}: with Slurm the job directory is one path every node shares; "
-            "'{host}' cannot be filled in before Slurm picks the nodes",
-            fix="set launch.remote_dir (and train.output_dir) to a shared path without {host}",
-        )
+    check_job_paths(job)
     if secret_names is None:
         secret_names = tuple(job_secrets(job))
     nodes = planned_nodes(job.spec, request)

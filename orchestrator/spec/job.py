@@ -303,21 +303,61 @@ class LaunchSpec(_Strict):
         return value
 
 
+# What the slurm: keys (and their launch --slurm options) may hold. Each value is written on an
+# #SBATCH line, which sbatch reads itself (blanks split it, quotes and "#" are its syntax, a line
+# break starts the script's next line): so a value is held to the form Slurm gives it, checked the
+# same way whether it came from the spec or the command line (slurm_value_problem).
+SLURM_FORMS: dict[str, tuple[str, str]] = {
+    "partition": (
+        r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*",
+        "a partition name (letters, digits, _ . -), or several separated by commas",
+    ),
+    "account": (r"[A-Za-z0-9_.-]+", "an account name (letters, digits, _ . -)"),
+    "time": (
+        r"[0-9]+(:[0-9]{1,2}){0,2}|[0-9]+-[0-9]+(:[0-9]{1,2}){0,2}|(?i:unlimited|infinite)",
+        "a time limit as sbatch --time takes it: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, "
+        "DAYS-HOURS, DAYS-HOURS:MINUTES, DAYS-HOURS:MINUTES:SECONDS or UNLIMITED",
+    ),
+}
+
+
+def slurm_value_problem(key: str, value: str) -> str | None:
+    """What is wrong with ``value`` for the slurm key ``key`` (its allowed form), or None."""
+    pattern, form = SLURM_FORMS[key]
+    return None if re.fullmatch(pattern, value) else f"must be {form}"
+
+
+def _slurm_form(key: str) -> AfterValidator:
+    def check(value: str | None) -> str | None:
+        problem = None if value is None else slurm_value_problem(key, value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(check)
+
+
+def _one_printable_line(value: str | None) -> str | None:
+    if value is not None and not value.isprintable():
+        raise ValueError("must be one line of printable text (a path, no line breaks or control characters)")
+    return value
+
+
 class SlurmSpec(_Strict):
     """Where ``dzctl launch --slurm`` asks Slurm for nodes (each key also a ``launch --slurm`` option)."""
 
-    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,-]+$")
+    partition: Annotated[str | None, _slurm_form("partition")] = None
     nodes: int = Field(1, ge=1)
     gpus_per_node: int | None = Field(None, ge=1)  # default: the GPU job's slots (1 for a CPU job)
-    time: str | None = Field(None, pattern=r"^[0-9:-]+$")  # sbatch --time: minutes, HH:MM:SS, D-HH:MM:SS
-    account: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    time: Annotated[str | None, _slurm_form("time")] = None
+    account: Annotated[str | None, _slurm_form("account")] = None
     # pyxis: the trainer runs in the job's image through `srun --container-image` (enroot), no docker.
     container: Literal["none", "pyxis"] = "none"
     # Each GPU's memory for the memory planner: the job is planned before Slurm picks the nodes.
     gpu_mem_gib: float | None = Field(None, gt=0)
     # The Python with dzctl that the allocation's own steps run (node wrapper, preflight); it must be
     # at this path on every node (a shared filesystem). Default: the interpreter that submits.
-    python: str | None = None
+    python: Annotated[str | None, AfterValidator(_one_printable_line)] = None
 
 
 class JobSpec(_Strict):

@@ -26,6 +26,7 @@ MASTER = "$" + MASTER_VAR  # what the plan carries as master address; the script
 IFNAME_VAR = "DZCTL_IFNAME"  # this node's NIC toward the master, as preflight found it in the allocation
 NODE_NAME = "slurm-node-{rank}"  # the plan's name for a node Slurm has not chosen yet
 BATCH_LOG = "slurm-%j.out"  # the batch step's own output (preflight report, srun's messages)
+COMMENT = "dzctl:{job_id}"  # the Slurm job's comment: how squeue finds it before its id is known (jobid.py)
 
 
 @dataclass(frozen=True)
@@ -51,24 +52,23 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
     """The whole sbatch script; ``script_path`` is where it is kept in the shared job directory."""
     job_dir = plan.nodes[0].job_dir
     directives = [
-        f"--job-name={plan.job}",
-        f"--nodes={len(plan.nodes)}",
-        "--ntasks-per-node=1",
-        f"--output={job_dir}/{BATCH_LOG}",
+        ("--job-name", plan.job),
+        ("--nodes", str(len(plan.nodes))),
+        ("--ntasks-per-node", "1"),
+        ("--output", f"{job_dir}/{BATCH_LOG}"),
+        ("--comment", COMMENT.format(job_id=plan.job_id)),
     ]
-    if request.partition:
-        directives.append(f"--partition={request.partition}")
-    if request.account:
-        directives.append(f"--account={request.account}")
-    if request.time:
-        directives.append(f"--time={request.time}")
+    for option, value in (("--partition", request.partition), ("--account", request.account),
+                          ("--time", request.time)):  # fmt: skip
+        if value:
+            directives.append((option, value))
     if spec.accelerator == "gpu":
-        directives.append(f"--gpus-per-node={plan.nodes[0].slots}")
+        directives.append(("--gpus-per-node", str(plan.nodes[0].slots)))
     step = srun_argv(plan, spec, request, script_path)
     lines = [
         "#!/bin/bash",
         f"# dzctl job {plan.job_id}: written by `dzctl launch --slurm` from the same plan as an SSH launch.",
-        *(f"#SBATCH {d}" for d in directives),
+        *(directive(option, value) for option, value in directives),
         "",
         'if [ "${1:-}" = --node ]; then',
         "    # One task per node (srun below): SLURM_NODEID picks this node's launcher from the plan.",
@@ -94,6 +94,17 @@ def batch_script(plan: LaunchPlan, spec: JobSpec, request: SlurmRequest, *, scri
         "",
     ]
     return "\n".join(lines)
+
+
+def directive(option: str, value: str) -> str:
+    """One ``#SBATCH`` line. sbatch (not a shell) reads it: it splits at blanks, strips quotes and ends
+    at an unquoted ``#``, so a value holding a blank, ``#`` or ``'`` is double-quoted. What it cannot
+    carry at all was refused with the user's key named (``values.py``); it stops here as well."""
+    if not value.isprintable() or '"' in value or "\\" in value:
+        raise ValueError(f"{option} {value!r} cannot be written on an #SBATCH line")
+    if any(ch in value for ch in " #'"):
+        value = f'"{value}"'
+    return f"#SBATCH {option}={value}"
 
 
 def uses_preflight(request: SlurmRequest) -> bool:

@@ -65,11 +65,11 @@ def test_resume_auto_takes_newest_complete(tmp_path):
     assert chosen is not None and chosen.step == 20
 
 
-def test_a_checkpoint_past_max_steps_is_refused_and_one_at_it_is_taken(tmp_path):
+def test_a_checkpoint_past_max_steps_is_refused(tmp_path):
     """A longer run's checkpoint in the same output dir: resuming it would train nothing and save
     that run's weights as this run's model (seen: "end step 32/30")."""
     make_checkpoint(tmp_path, 30, 2)
-    assert checkpoints.choose_resume("auto", tmp_path, 2, max_steps=30).step == 30  # a relaunch of a finished run
+    assert checkpoints.choose_resume("auto", tmp_path, 2, max_steps=31).step == 30
     assert checkpoints.choose_resume("auto", tmp_path, 2, max_steps=0).step == 30  # epochs decide, not steps
     make_checkpoint(tmp_path, 32, 2)
     with pytest.raises(checkpoints.CheckpointError) as err:
@@ -388,3 +388,65 @@ def test_a_checkpoint_about_to_be_rewritten_loses_its_marker_first(tmp_path, mon
     with pytest.raises(CheckpointError, match="belongs to another run"):
         checkpoints.clear_for_rewrite(other, "run-a")
     assert checkpoints.inspect(other).complete
+
+
+# -- a relaunch of a run that trained to its end (issue 27, item 1) --------------------------------
+def _finish(out: Path, step: int, *, max_steps: int, epochs: float = 1.0, lineage: str = "run-a") -> Path:
+    model = out / "model"
+    model.mkdir()
+    checkpoints.write_finished(out, lineage=lineage, step=step, max_steps=max_steps, epochs=epochs, model=model)
+    return model
+
+
+def test_a_relaunch_of_a_finished_run_finds_it_finished(tmp_path):
+    make_checkpoint(tmp_path, 20, 2)
+    make_checkpoint(tmp_path, 30, 2)
+    model = _finish(tmp_path, 30, max_steps=30)
+    start = checkpoints.resume_candidate("auto", tmp_path)
+    done = checkpoints.finished_run(start, max_steps=30, epochs=1.0)
+    assert done == checkpoints.Finished("run-a", 30, 30, 1.0, str(model))
+    # The same, named by path; and from another output dir (a branch from it would train nothing either).
+    final = tmp_path / "checkpoint-30"
+    assert checkpoints.finished_run(checkpoints.resume_candidate(str(final), tmp_path / "other"), 30, 1.0) == done
+    # More steps continue that run.
+    assert checkpoints.finished_run(start, max_steps=40, epochs=1.0) is None
+    assert checkpoints.choose_resume("auto", tmp_path, 2, max_steps=40).step == 30
+    # The record names another checkpoint (an older finish, then more training): not finished here.
+    assert (
+        checkpoints.finished_run(checkpoints.resume_candidate(str(tmp_path / "checkpoint-20"), tmp_path), 20, 1.0)
+        is None
+    )
+    assert checkpoints.finished_run(None, max_steps=30, epochs=1.0) is None
+
+
+def test_a_finished_run_by_epochs_is_finished_for_as_many_epochs_and_continues_for_more(tmp_path):
+    make_checkpoint(tmp_path, 27, 2)
+    _finish(tmp_path, 27, max_steps=-1, epochs=3.0)
+    start = checkpoints.resume_candidate("auto", tmp_path)
+    assert checkpoints.finished_run(start, max_steps=-1, epochs=3.0).step == 27
+    assert checkpoints.finished_run(start, max_steps=-1, epochs=4.0) is None
+
+
+def test_a_record_of_another_lineage_does_not_finish_this_checkpoint(tmp_path):
+    make_checkpoint(tmp_path, 30, 2, lineage="run-b")
+    _finish(tmp_path, 30, max_steps=30, lineage="run-a")
+    assert checkpoints.finished_run(checkpoints.resume_candidate("auto", tmp_path), 30, 1.0) is None
+
+
+def test_a_checkpoint_at_max_steps_without_its_model_is_refused(tmp_path):
+    """Trained to the end, the model never written (killed while consolidating): resuming would train step N+1."""
+    final = make_checkpoint(tmp_path, 30, 2)
+    with pytest.raises(CheckpointError) as err:
+        checkpoints.choose_resume("auto", tmp_path, 2, max_steps=30)
+    assert err.value.message == (
+        f"checkpoint {final} is at this run's train.max_steps 30: nothing is left to train, and the run that "
+        "trained it did not finish writing its model"
+    )
+    assert f"python -m deepspeed.utils.zero_to_fp32 {final} " in err.value.fix
+    assert "raise train.max_steps above 30" in err.value.fix
+    # A model recorded but gone since: the same refusal, from the rank that would show it.
+    model = _finish(tmp_path, 30, max_steps=30)
+    model.rmdir()
+    start = checkpoints.resume_candidate("auto", tmp_path)
+    assert checkpoints.finished_run(start, 30, 1.0, model_here=True) is None
+    assert checkpoints.finished_run(start, 30, 1.0, model_here=False).step == 30  # another node: not its disk

@@ -25,6 +25,12 @@ complete checkpoints it does not continue lie (``resume: never`` over an earlier
 run's, ``resume: PATH`` to one with newer ones beside it): it would overwrite them
 by name. Rotation deletes only its own lineage's checkpoints, and a folder about to
 be written again loses its marker before any file of it changes.
+
+A run that trained to its end and wrote its model records that in
+``dzctl-finished.json`` beside its checkpoints. A relaunch whose resume is that
+final checkpoint, asking for no more steps (or epochs), has nothing to train: it
+says so and ends well (``finished_run``), where the HF Trainer would train one step
+past ``max_steps`` and save it as ``checkpoint-<max_steps + 1>``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from pathlib import Path
 from ..errors import InputError, RuntimeFailure
 
 MARKER = "dzctl-complete.json"
+FINISHED = "dzctl-finished.json"
 # The lineage of a marker written before dzctl recorded one: those checkpoints form one line.
 UNRECORDED = "unrecorded"
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -183,6 +190,15 @@ def check_resume(
             fix=f"raise train.max_steps above {chosen.step} to continue that run, or give this run its own "
             f"train.output_dir (or delete the checkpoint-* folders in {chosen.path.parent})",
         )
+    if max_steps > 0 and chosen.step == max_steps:
+        # A finished run's relaunch ends before this (finished_run); here its model is missing.
+        raise CheckpointError(
+            f"checkpoint {chosen.path} is at this run's train.max_steps {max_steps}: nothing is left to train, "
+            "and the run that trained it did not finish writing its model",
+            fix=f"write the model from it: python -m deepspeed.utils.zero_to_fp32 {chosen.path} "
+            f"{chosen.path.parent / 'model-fp32'} --safe_serialization; or raise train.max_steps above "
+            f"{max_steps} to train on (the model is written at the end)",
+        )
     if chosen.world_size != world_size and not load_universal:
         raise CheckpointError(
             f"checkpoint {chosen.path} was written by {chosen.world_size} data-parallel ranks; "
@@ -217,6 +233,64 @@ def agree_on_resume(
             fix="give the run a new train.output_dir to start over",
         )
     return chosen
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run that trained to its end and wrote its model (``dzctl-finished.json``)."""
+
+    lineage: str
+    step: int  # its final checkpoint's
+    max_steps: int  # train.max_steps it ran with (-1: epochs decided)
+    epochs: float
+    model: str  # the model folder, as rank 0 wrote it
+
+
+def write_finished(output_dir: Path, *, lineage: str, step: int, max_steps: int, epochs: float, model: Path) -> None:
+    """Record that this lineage trained to ``step`` and its model is written (call once the model is checked)."""
+    record = {"lineage": lineage, "step": step, "max_steps": max_steps, "epochs": epochs, "model": str(model)}
+    tmp = output_dir / f"{FINISHED}.tmp"
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps(record))
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(output_dir / FINISHED)
+    _fsync_path(output_dir)
+
+
+def read_finished(output_dir: Path) -> Finished | None:
+    try:
+        record = json.loads((output_dir / FINISHED).read_text(encoding="utf-8"))
+        return Finished(
+            str(record["lineage"]),
+            int(record["step"]),
+            int(record["max_steps"]),
+            float(record["epochs"]),
+            str(record["model"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none, or unreadable: the run is not known to be finished
+
+
+def finished_run(
+    chosen: Checkpoint | None, max_steps: int, epochs: float, *, model_here: bool = False
+) -> Finished | None:
+    """The finished run this start would only repeat: ``chosen`` is its final checkpoint and no more is asked.
+
+    No more: ``train.max_steps`` at that checkpoint's step; with epochs deciding
+    (``max_steps`` -1), no more epochs than that run had. ``model_here``: this rank
+    is the one that holds the model (global rank 0): it must still be there.
+    """
+    if chosen is None:
+        return None
+    done = read_finished(chosen.path.parent)
+    if done is None or (done.lineage, done.step) != (chosen.lineage, chosen.step):
+        return None
+    if model_here and not Path(done.model).is_dir():
+        return None
+    if max_steps > 0:
+        return done if chosen.step == max_steps else None
+    return done if done.max_steps <= 0 and epochs <= done.epochs else None
 
 
 def refuse_other_lines(chosen: Checkpoint | None, resume: str, output_dir: Path) -> None:

@@ -580,16 +580,44 @@ def _agree_on_resume(resume, output_dir: Path) -> tuple[checkpoints.Checkpoint |
     return chosen, chosen.lineage if chosen else gathered[0][1]  # type: ignore[index]
 
 
+def _already_complete(finished: checkpoints.Finished, ranks: Ranks, log: ProgressLog) -> Path:
+    """A relaunch of a run that trained to its end: say so and train nothing (see checkpoints.finished_run)."""
+    if ranks.rank == 0:
+        print(
+            f"dzctl-train: already complete: {finished.step} steps, model at {finished.model}; nothing to train "
+            "(a larger train.max_steps continues this run, a new train.output_dir starts a fresh one)",
+            flush=True,
+        )
+        log.write(
+            "end",
+            step=finished.step,
+            max_steps=finished.step,
+            eta_s=0.0,
+            path=finished.model,
+            already_complete=True,
+        )
+    return Path(finished.model)
+
+
 def train(
     loaded: LoadedJob, *, output_dir: Path, ds_config_path: Path | None, save: bool, log: ProgressLog
 ) -> Path | None:
     """Run the job; return the consolidated model folder (``None`` when saving is off)."""
     spec = loaded.spec
     ranks = Ranks.from_env(node_local=spec.train.output_storage == "node-local")
+    start = checkpoints.resume_candidate(spec.train.resume, output_dir)
+    finished = checkpoints.finished_run(start, spec.train.max_steps, spec.train.epochs, model_here=ranks.rank == 0)
+    if finished is not None:
+        return _already_complete(finished, ranks, log)
     settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
     universal = (spec.zero.overrides.get("checkpoint") or {}).get("load_universal") is True
-    resume = checkpoints.choose_resume(
-        spec.train.resume, output_dir, ranks.world_size, load_universal=universal, max_steps=spec.train.max_steps
+    resume = checkpoints.check_resume(
+        start,
+        spec.train.resume,
+        output_dir,
+        ranks.world_size,
+        load_universal=universal,
+        max_steps=spec.train.max_steps,
     )
     if ranks.rank == 0:
         print(
@@ -665,6 +693,19 @@ def train(
             tokenizer.save_pretrained(str(final_dir))
             checkpoints.check_consolidated(final_dir, expected_shapes(trainer.model))
             print(f"dzctl-train: model consolidated in {time.perf_counter() - consolidating:.1f} s", flush=True)
+    if final_dir is not None:
+        # Rank 0 has checked the model: only now may a relaunch call this run finished.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if ranks.marks_folders:
+            checkpoints.write_finished(
+                output_dir,
+                lineage=lineage,
+                step=trainer.state.global_step,
+                max_steps=spec.train.max_steps,
+                epochs=spec.train.epochs,
+                model=final_dir,
+            )
     peaks = gather_memory_peaks()
     if ranks.rank == 0:
         state = trainer.state

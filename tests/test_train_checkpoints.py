@@ -439,8 +439,8 @@ def test_a_checkpoint_at_max_steps_without_its_model_is_refused(tmp_path):
     with pytest.raises(CheckpointError) as err:
         checkpoints.choose_resume("auto", tmp_path, 2, max_steps=30)
     assert err.value.message == (
-        f"checkpoint {final} is at this run's train.max_steps 30: nothing is left to train, and the run that "
-        "trained it did not finish writing its model"
+        f"checkpoint {final} is at this run's train.max_steps 30: nothing is left to train, and no model of it "
+        "is there: the run that trained it did not finish writing it, or it was removed"
     )
     assert f"python -m deepspeed.utils.zero_to_fp32 {final} " in err.value.fix
     assert "raise train.max_steps above 30" in err.value.fix

@@ -194,7 +194,7 @@ def check_resume(
         # A finished run's relaunch ends before this (finished_run); here its model is missing.
         raise CheckpointError(
             f"checkpoint {chosen.path} is at this run's train.max_steps {max_steps}: nothing is left to train, "
-            "and the run that trained it did not finish writing its model",
+            "and no model of it is there: the run that trained it did not finish writing it, or it was removed",
             fix=f"write the model from it: python -m deepspeed.utils.zero_to_fp32 {chosen.path} "
             f"{chosen.path.parent / 'model-fp32'} --safe_serialization; or raise train.max_steps above "
             f"{max_steps} to train on (the model is written at the end)",

@@ -36,20 +36,21 @@ def test_the_demo_run_three_times_trains_once_and_then_says_it_is_complete(tmp_p
         proc = subprocess.run(
             _launch_argv(remote, name, STEPS), cwd=ROOT, env=_env(home), capture_output=True, text=True, timeout=900
         )
-        runs.append(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, f"run {len(runs)} exited {proc.returncode}: {runs[-1][-3000:]}"
+        runs.append(proc)
+        assert proc.returncode == 0, f"run {len(runs)} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
         if len(runs) == 1:
             digest = _model_digest(output / "model")
     first, *relaunches = runs
-    assert f"end  step {STEPS}/{STEPS}" in first
-    for text in relaunches:
+    assert f"end  step {STEPS}/{STEPS}" in first.stdout
+    for relaunch in relaunches:
+        text = relaunch.stdout
         assert (
             f"dzctl-train: already complete: {STEPS} steps, model at {output / 'model'}; nothing to train "
             "(a larger train.max_steps continues this run, a new train.output_dir starts a fresh one)"
         ) in text, text[-3000:]
         assert f"end  step {STEPS}/{STEPS}" in text and f"model {output / 'model'}" in text
         assert f"step {STEPS + 1}/" not in text and "resuming at step" not in text
-        assert "succeeded  " in text.splitlines()[-1]
+        assert text.splitlines()[-1].startswith("succeeded  ")
     # One run trained; its checkpoint and its model are as it left them.
     events = read_events(output / "progress.jsonl")
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))

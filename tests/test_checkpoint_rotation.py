@@ -30,10 +30,10 @@ FAIL_MARKER_AT_STEP_4 = textwrap.dedent(
 
     real_write_marker = checkpoints.write_marker
 
-    def failing_write_marker(checkpoint_dir, world_size, step, ranks=None):
+    def failing_write_marker(checkpoint_dir, world_size, step, *args, **kwargs):
         if step == 4:
             raise OSError(errno.EIO, "Input/output error (injected by the test)", str(checkpoint_dir))
-        return real_write_marker(checkpoint_dir, world_size, step, ranks)
+        return real_write_marker(checkpoint_dir, world_size, step, *args, **kwargs)
 
     checkpoints.write_marker = failing_write_marker
     """

@@ -42,7 +42,7 @@ def _fake_checkpoint(output: Path, step: int, *, complete: bool) -> Path:
         (shards / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"m" * 1000)
         (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 1000)
     if complete:
-        checkpoints.write_marker(path, 2, step)
+        checkpoints.write_marker(path, 2, step, lineage="run-a")
     return path
 
 
@@ -75,7 +75,7 @@ def test_save_failed_names_the_full_disk_removes_the_half_and_keeps_the_whole(tm
     again = checkpoints.save_failed(half, RuntimeError("Input/output error"), run_id="run-b")
     assert "No space left" not in again.message and "RuntimeError: Input/output error" in again.message
     # A successful save clears the note.
-    checkpoints.write_marker(tmp_path / "checkpoint-2", 2, 2)
+    checkpoints.write_marker(tmp_path / "checkpoint-2", 2, 2, lineage="run-a")
     assert not (tmp_path / checkpoints.SAVE_FAILED_NOTE).exists()
 
 

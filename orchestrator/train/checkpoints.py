@@ -15,6 +15,22 @@ Rotation (``train.save_total_limit``) is dzctl's, not the HF Trainer's: the
 Trainer deletes older checkpoints at the end of its own save, before dzctl's
 marker exists, so a failure in between would leave nothing complete. ``rotate``
 runs only once every node has marked the new checkpoint complete.
+
+One output directory holds one line of checkpoints (a *lineage*). A run that
+starts fresh draws a new lineage id; one that resumes continues the lineage of
+the checkpoint it resumes; every marker names it. Step numbers alone cannot tell
+runs apart: a fresh run's ``checkpoint-10`` has the name of an earlier run's, and
+rotation by step would delete the new run's own. So a run refuses to start where
+complete checkpoints it does not continue lie (``resume: never`` over an earlier
+run's, ``resume: PATH`` to one with newer ones beside it): it would overwrite them
+by name. Rotation deletes only its own lineage's checkpoints, and a folder about to
+be written again loses its marker before any file of it changes.
+
+A run that trained to its end and wrote its model records that in
+``dzctl-finished.json`` beside its checkpoints. A relaunch whose resume is that
+final checkpoint, asking for no more steps (or epochs), has nothing to train: it
+says so and ends well (``finished_run``), where the HF Trainer would train one step
+past ``max_steps`` and save it as ``checkpoint-<max_steps + 1>``.
 """
 
 from __future__ import annotations
@@ -27,12 +43,16 @@ import os
 import re
 import shutil
 import struct
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, RuntimeFailure
 
 MARKER = "dzctl-complete.json"
+FINISHED = "dzctl-finished.json"
+# The lineage of a marker written before dzctl recorded one: those checkpoints form one line.
+UNRECORDED = "unrecorded"
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 OPTIM_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 MODEL_SHARD = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
@@ -56,6 +76,7 @@ class Checkpoint:
     step: int
     world_size: int | None  # data-parallel ranks that wrote it; None when incomplete
     problem: str | None  # why it is incomplete, None when complete
+    lineage: str | None = None  # the run line its marker names; None without a readable marker
 
     @property
     def complete(self) -> bool:
@@ -86,6 +107,7 @@ def inspect(path: Path) -> Checkpoint:
             declared = int(content["world_size"])
             # On node-local storage each node holds only its own ranks' shards.
             expected = {int(r) for r in content.get("ranks", range(declared))}
+            lineage = str(content.get("lineage", UNRECORDED))
         except (ValueError, KeyError, TypeError):
             return Checkpoint(path, step, None, f"{MARKER} unreadable")
     else:
@@ -94,12 +116,14 @@ def inspect(path: Path) -> Checkpoint:
     # A marker without a manifest (written before dzctl kept one) is judged by names only.
     problem = _manifest_problem(path, content.get("files"))
     if problem:
-        return Checkpoint(path, step, None, problem)
+        return Checkpoint(path, step, None, problem, lineage)
     if optim != expected:
-        return Checkpoint(path, step, None, f"optimizer shards for ranks {sorted(expected - optim)} missing")
+        problem = f"optimizer shards for ranks {sorted(expected - optim)} missing"
+        return Checkpoint(path, step, None, problem, lineage)
     if model != expected:
-        return Checkpoint(path, step, None, f"model-state shards for ranks {sorted(expected - model)} missing")
-    return Checkpoint(path, step, declared, None)
+        problem = f"model-state shards for ranks {sorted(expected - model)} missing"
+        return Checkpoint(path, step, None, problem, lineage)
+    return Checkpoint(path, step, declared, None, lineage)
 
 
 def list_checkpoints(output_dir: Path) -> list[Checkpoint]:
@@ -115,25 +139,48 @@ def choose_resume(
 ) -> Checkpoint | None:
     """The checkpoint to continue from: ``auto`` (newest complete, or none), ``never``, or a path.
 
-    Refuses, before any model is built, a checkpoint written by another number of
-    data-parallel ranks: DeepSpeed would otherwise fail deep inside loading.
-    ``load_universal`` (``zero.overrides.checkpoint.load_universal``): the user
-    converted it with ds_to_universal, which loads on any number of ranks.
+    ``resume_candidate`` then ``check_resume``: see both.
     """
+    chosen = resume_candidate(resume, output_dir)
+    return check_resume(chosen, resume, output_dir, world_size, load_universal=load_universal, max_steps=max_steps)
+
+
+def resume_candidate(resume: str, output_dir: Path) -> Checkpoint | None:
+    """What ``train.resume`` names: the newest complete checkpoint (``auto``), none (``never``), or a path."""
     if resume == "never":
         return None
     if resume == "auto":
         complete = [c for c in list_checkpoints(output_dir) if c.complete]
-        if not complete:
-            return None
-        chosen = complete[-1]
-    else:
-        path = Path(resume)
-        if not path.is_dir():
-            raise CheckpointError(f"train.resume: {path} is not a folder", fix="name a checkpoint-N folder, or auto")
-        chosen = inspect(path)
-        if not chosen.complete:
-            raise CheckpointError(f"train.resume: {path} is incomplete: {chosen.problem}", fix="resume an older one")
+        return complete[-1] if complete else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"train.resume: {path} is not a folder", fix="name a checkpoint-N folder, or auto")
+    chosen = inspect(path)
+    if not chosen.complete:
+        raise CheckpointError(f"train.resume: {path} is incomplete: {chosen.problem}", fix="resume an older one")
+    return chosen
+
+
+def check_resume(
+    chosen: Checkpoint | None,
+    resume: str,
+    output_dir: Path,
+    world_size: int,
+    *,
+    load_universal: bool = False,
+    max_steps: int = 0,
+) -> Checkpoint | None:
+    """Refuse, before any model is built, a start that would harm another run or fail later.
+
+    Refused: complete checkpoints in ``output_dir`` that this start does not continue
+    (see ``refuse_other_lines``); a checkpoint past ``max_steps``; one written by another
+    number of data-parallel ranks (DeepSpeed would otherwise fail deep inside loading).
+    ``load_universal`` (``zero.overrides.checkpoint.load_universal``): the user
+    converted it with ds_to_universal, which loads on any number of ranks.
+    """
+    refuse_other_lines(chosen, resume, output_dir)
+    if chosen is None:
+        return None
     if max_steps > 0 and chosen.step > max_steps:
         # Another, longer run left it in this output dir (the default dir is per job name): resuming
         # would train nothing and save that run's weights as this one's ("step 32/30").
@@ -142,6 +189,15 @@ def choose_resume(
             "it was written by a longer run into the same output directory",
             fix=f"raise train.max_steps above {chosen.step} to continue that run, or give this run its own "
             f"train.output_dir (or delete the checkpoint-* folders in {chosen.path.parent})",
+        )
+    if max_steps > 0 and chosen.step == max_steps:
+        # A finished run's relaunch ends before this (finished_run); here its model is missing.
+        raise CheckpointError(
+            f"checkpoint {chosen.path} is at this run's train.max_steps {max_steps}: nothing is left to train, "
+            "and no model of it is there: the run that trained it did not finish writing it, or it was removed",
+            fix=f"write the model from it: python -m deepspeed.utils.zero_to_fp32 {chosen.path} "
+            f"{chosen.path.parent / 'model-fp32'} --safe_serialization; or raise train.max_steps above "
+            f"{max_steps} to train on (the model is written at the end)",
         )
     if chosen.world_size != world_size and not load_universal:
         raise CheckpointError(
@@ -166,7 +222,7 @@ def agree_on_resume(
         raise CheckpointError(
             f"{node}: the nodes disagree on what to resume: newest complete checkpoint per rank {all_steps} "
             "(None: none found); a node's output dir was lost or replaced",
-            fix="set train.resume: never to start over, or restore the missing node's output dir",
+            fix="restore the missing node's output dir, or give the run a new train.output_dir to start over",
         )
     target = min(s for s in all_steps if s is not None)
     chosen = inspect(output_dir / f"checkpoint-{target}")
@@ -174,9 +230,118 @@ def agree_on_resume(
         raise CheckpointError(
             f"{node}: the nodes' newest complete checkpoints differ ({sorted(set(all_steps))}) and "
             f"checkpoint-{target} is not complete here: {chosen.problem}",
-            fix="set train.resume: never to start over",
+            fix="give the run a new train.output_dir to start over",
         )
     return chosen
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run that trained to its end and wrote its model (``dzctl-finished.json``)."""
+
+    lineage: str
+    step: int  # its final checkpoint's
+    max_steps: int  # train.max_steps it ran with (-1: epochs decided)
+    epochs: float
+    model: str  # the model folder, as rank 0 wrote it
+
+
+def write_finished(output_dir: Path, *, lineage: str, step: int, max_steps: int, epochs: float, model: Path) -> None:
+    """Record that this lineage trained to ``step`` and its model is written (call once the model is checked)."""
+    record = {"lineage": lineage, "step": step, "max_steps": max_steps, "epochs": epochs, "model": str(model)}
+    tmp = output_dir / f"{FINISHED}.tmp"
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps(record))
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(output_dir / FINISHED)
+    _fsync_path(output_dir)
+
+
+def read_finished(output_dir: Path) -> Finished | None:
+    try:
+        record = json.loads((output_dir / FINISHED).read_text(encoding="utf-8"))
+        return Finished(
+            str(record["lineage"]),
+            int(record["step"]),
+            int(record["max_steps"]),
+            float(record["epochs"]),
+            str(record["model"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none, or unreadable: the run is not known to be finished
+
+
+def finished_run(
+    chosen: Checkpoint | None, max_steps: int, epochs: float, *, model_here: bool = False
+) -> Finished | None:
+    """The finished run this start would only repeat: ``chosen`` is its final checkpoint and no more is asked.
+
+    No more: ``train.max_steps`` at that checkpoint's step; with epochs deciding
+    (``max_steps`` -1), no more epochs than that run had. ``model_here``: this rank
+    is the one that holds the model (global rank 0): it must still be there.
+    """
+    if chosen is None:
+        return None
+    done = read_finished(chosen.path.parent)
+    if done is None or (done.lineage, done.step) != (chosen.lineage, chosen.step):
+        return None
+    if model_here and not Path(done.model).is_dir():
+        return None
+    if max_steps > 0:
+        return done if chosen.step == max_steps else None
+    return done if done.max_steps <= 0 and epochs <= done.epochs else None
+
+
+def refuse_other_lines(chosen: Checkpoint | None, resume: str, output_dir: Path) -> None:
+    """Refuse to start where complete checkpoints lie that a run starting from ``chosen`` does not continue.
+
+    Such a run would write ``checkpoint-N`` folders of the same names over them and
+    rotate the rest away. A run continues the checkpoints of ``chosen``'s lineage up to
+    its step; nothing when it starts fresh. Incomplete folders are nobody's to resume:
+    they may be replaced.
+    """
+    others = [c for c in list_checkpoints(output_dir) if c.complete and not continues(chosen, c)]
+    if not others:
+        return
+    names = _names(others)
+    if chosen is None:
+        raise CheckpointError(
+            f"train.resume: {resume}, but {output_dir} holds complete checkpoints of an earlier run ({names}): "
+            "a fresh run there would overwrite them by name and rotate them away",
+            fix="give this run its own train.output_dir, or set train.resume: auto to continue that run; "
+            f"to discard it, delete the checkpoint-* folders in {output_dir} first",
+        )
+    newer = [c for c in others if c.step > chosen.step]
+    if newer:
+        raise CheckpointError(
+            f"train.resume: {chosen.path} is at step {chosen.step}, but {output_dir} also holds newer checkpoints "
+            f"({_names(newer)}): continuing from step {chosen.step} there would overwrite them by name and "
+            "rotate them away",
+            fix=f"keep train.resume and give this run its own train.output_dir (the branch from step "
+            f"{chosen.step} goes there), or delete the newer checkpoint-* folders to abandon them",
+        )
+    raise CheckpointError(
+        f"{output_dir} holds checkpoints of another run ({names}) than {chosen.path} (run {chosen.lineage}): "
+        "continuing there would rotate them away",
+        fix=f"give this run its own train.output_dir, or move the other run's checkpoint-* folders out of {output_dir}",
+    )
+
+
+def continues(chosen: Checkpoint | None, checkpoint: Checkpoint) -> bool:
+    """Whether a run starting from ``chosen`` continues ``checkpoint``: same lineage, at or before its step."""
+    return chosen is not None and checkpoint.lineage == chosen.lineage and checkpoint.step <= chosen.step
+
+
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _names(found: list[Checkpoint]) -> str:
+    names = [c.path.name for c in found]
+    if len(names) > 3:
+        return f"{names[0]} to {names[-1]}, {len(names)} in all"
+    return ", ".join(names)
 
 
 def universal_fix(checkpoint: Checkpoint) -> str:
@@ -205,11 +370,14 @@ def write_latest_tag(checkpoint_dir: Path) -> None:
         (checkpoint_dir / "latest").write_text(tags[-1], encoding="utf-8")
 
 
-def write_marker(checkpoint_dir: Path, world_size: int, step: int, ranks: list[int] | None = None) -> None:
+def write_marker(
+    checkpoint_dir: Path, world_size: int, step: int, ranks: list[int] | None = None, *, lineage: str
+) -> None:
     """Record that every rank finished writing this checkpoint (call after a barrier).
 
     ``ranks``: the ranks whose shards are in this folder, when it is one node's own
     disk (``train.output_storage: node-local``); all of them when omitted.
+    ``lineage``: the run line it belongs to (see the module's notes).
     The marker lists every file with its size, and is written only once those files
     are on disk (fsync): after a power cut it never vouches for data still in a cache.
     """
@@ -218,7 +386,7 @@ def write_marker(checkpoint_dir: Path, world_size: int, step: int, ranks: list[i
         _fsync_path(checkpoint_dir / name)
     for folder in {(checkpoint_dir / name).parent for name in files}:
         _fsync_path(folder)
-    content: dict = {"world_size": world_size, "step": step}
+    content: dict = {"world_size": world_size, "step": step, "lineage": lineage}
     if ranks is not None:
         content["ranks"] = ranks
     content["files"] = files
@@ -266,26 +434,58 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def rotate(output_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than those.
+def rotate(output_dir: Path, keep: int, lineage: str) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints of ``lineage``, and incomplete ones older than those.
 
     Called once the newest checkpoint is marked complete on every node, by the rank
     that marks this folder: the one being replaced is deleted only after its
-    successor can be resumed. Each goes marker first, so one half-deleted by a
-    crash reads as incomplete, never as complete. Returns what was deleted.
+    successor can be resumed. Another lineage's checkpoints are never deleted, not
+    even damaged ones (their marker names it); an unmarked folder is nobody's.
+    Returns what was deleted.
     """
     found = list_checkpoints(output_dir)
-    complete = [c for c in found if c.complete]
-    if not complete:
+    mine = [c for c in found if c.complete and c.lineage == lineage]
+    if not mine:
         return []
-    kept_from = complete[-keep].step if len(complete) > keep else complete[0].step
-    doomed = [c.path for c in found if c.step < kept_from]
+    kept_from = mine[-keep].step if len(mine) > keep else mine[0].step
+    doomed = [
+        c.path
+        for c in found
+        if c.step < kept_from and (c.lineage == lineage if c.complete else c.lineage in (None, lineage))
+    ]
     for path in doomed:
-        with contextlib.suppress(FileNotFoundError):
-            (path / MARKER).unlink()
-            _fsync_path(path)
-        shutil.rmtree(path, ignore_errors=True)
+        _delete(path)
     return doomed
+
+
+def clear_for_rewrite(path: Path, lineage: str) -> bool:
+    """Remove a ``checkpoint-N`` folder the trainer is about to write again; False when there is none.
+
+    The Trainer writes into an existing folder file by file. A marker left there
+    would vouch for a mix of old and new files, and same-shape shards keep their
+    sizes, so the manifest would not tell. The folders that reach here are cut-short
+    saves, or (node-local storage) this lineage's newer checkpoint on a node that
+    resumes an older common step; another lineage's complete one is refused.
+    """
+    if not path.is_dir():
+        return False
+    found = inspect(path)
+    if found.complete and found.lineage != lineage:
+        raise CheckpointError(
+            f"{path} is complete and belongs to another run (run {found.lineage}, this run is {lineage}): "
+            "it is not overwritten",
+            fix="give this run its own train.output_dir",
+        )
+    _delete(path)
+    return True
+
+
+def _delete(path: Path) -> None:
+    # Marker first: a folder half-deleted by a crash reads as incomplete, never as complete.
+    with contextlib.suppress(FileNotFoundError):
+        (path / MARKER).unlink()
+        _fsync_path(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 SAVE_FAILED_NOTE = "dzctl-save-failed.json"

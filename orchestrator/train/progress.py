@@ -9,7 +9,8 @@ CPU): ``event`` (start|step|checkpoint|end|error), ``time`` (Unix seconds),
 job, examples), ``gpu_mem_peak_gib`` (this rank's ``max_memory_allocated``), ``eta_s``.
 Extra keys: ``reason`` (one line, its fix included), ``message``, ``fix``, ``rank`` and
 ``exit_code`` (the rank's own) on ``error``, ``path`` on ``checkpoint`` and
-``end`` (the consolidated model), ``step_time_s`` on ``step``;
+``end`` (the consolidated model), ``already_complete`` on the ``end`` of a relaunch
+that found its run finished and trained nothing, ``step_time_s`` on ``step``;
 ``processed_tokens_per_s`` (every position computed, padding included) and
 ``padding_efficiency`` (real / processed) on ``step`` and ``end``; ``packing`` and
 ``attention`` (the kernel, e.g. ``dzctl_packed/varlen`` or ``sdpa``) on ``start``.

@@ -67,6 +67,11 @@ class Ranks:
         )
 
     @property
+    def marks_folders(self) -> bool:
+        """Whether this rank writes the markers of its disk's checkpoints (and rotates and clears them)."""
+        return self.local_rank == 0 if self.node_local else self.rank == 0
+
+    @property
     def node_ranks(self) -> list[int]:
         """The global ranks on this node (launchers number them node by node)."""
         first = self.rank - self.local_rank
@@ -276,6 +281,8 @@ class DzTrainer(Trainer):
     processed_seen = 0  # every position computed, padding included
     samples_seen = 0
     lora_base_name: str | None = None  # set for train.method: lora (the adapter's base model)
+    lineage: str = ""  # this run's line of checkpoints (see checkpoints.py), set before training
+    marks_folders = False  # this rank marks (and clears) the checkpoint folders of its disk
 
     def save_model(self, output_dir=None, _internal_call=False):
         if self.lora_base_name is None:
@@ -291,13 +298,18 @@ class DzTrainer(Trainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
+        path = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        # A folder of this name from an earlier save goes, marker first, before any rank writes into it.
+        if self.marks_folders:
+            checkpoints.clear_for_rewrite(path, self.lineage)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
         # A save that fails (a full disk above all) must not leave a half-written
         # checkpoint-N beside the good ones: see checkpoints.save_failed.
         try:
             super()._save_checkpoint(model, trial)
         except Exception as exc:
             traceback.print_exc()  # the original failure, for the rank's log
-            path = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
             raise checkpoints.save_failed(path, exc) from exc
 
 
@@ -305,9 +317,17 @@ class ProgressCallback(TrainerCallback):
     """Turns Trainer events into ``progress.jsonl`` lines (rank 0) and completes checkpoints (all ranks)."""
 
     def __init__(
-        self, log: ProgressLog, ranks: Ranks, *, save: bool, keep: int | None = None, start_extra: dict | None = None
+        self,
+        log: ProgressLog,
+        ranks: Ranks,
+        *,
+        save: bool,
+        lineage: str,
+        keep: int | None = None,
+        start_extra: dict | None = None,
     ) -> None:
         self.log, self.ranks, self.save = log, ranks, save
+        self.lineage = lineage  # written in every marker; rotation deletes only this line's checkpoints
         self.keep = keep  # train.save_total_limit: complete checkpoints kept (None: all)
         self.start_extra = start_extra or {}  # packing and attention kernel, for the start event
         self.trainer: DzTrainer | None = None
@@ -393,21 +413,21 @@ class ProgressCallback(TrainerCallback):
         # Every rank has written its shards and RNG state only once all reach here.
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+        world, step, lineage = self.ranks.world_size, state.global_step, self.lineage
         if self.ranks.node_local:
             # Each node's disk holds its own ranks' shards: its local rank 0 vouches for them.
             if self.ranks.local_rank == 0 and path.is_dir():
                 checkpoints.write_latest_tag(path)
-                checkpoints.write_marker(path, self.ranks.world_size, state.global_step, self.ranks.node_ranks)
+                checkpoints.write_marker(path, world, step, self.ranks.node_ranks, lineage=lineage)
         elif self.ranks.rank == 0 and path.is_dir():
-            checkpoints.write_marker(path, self.ranks.world_size, state.global_step)
+            checkpoints.write_marker(path, world, step, lineage=lineage)
         if self.ranks.rank == 0 and path.is_dir():
             self.log.write("checkpoint", **self._common(state), path=str(path))
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         # Every node has marked it now: only then may older ones go (by the rank that marks this folder).
-        marks = self.ranks.local_rank == 0 if self.ranks.node_local else self.ranks.rank == 0
-        if self.keep and marks and checkpoints.inspect(path).complete:
-            checkpoints.rotate(path.parent, self.keep)
+        if self.keep and self.ranks.marks_folders and checkpoints.inspect(path).complete:
+            checkpoints.rotate(path.parent, self.keep, lineage)
 
 
 def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict[str, float | None]:
@@ -544,15 +564,41 @@ def gather_memory_peaks() -> list[list[float]] | None:
     return gathered  # type: ignore[return-value]
 
 
-def _agree_on_resume(resume, output_dir: Path):
-    """All ranks resume from one step, whatever each node's own disk holds (see checkpoints.agree_on_resume)."""
+def _agree_on_resume(resume, output_dir: Path) -> tuple[checkpoints.Checkpoint | None, str]:
+    """All ranks resume from one step, whatever each node's own disk holds (see checkpoints.agree_on_resume).
+
+    Returns it with the run's lineage: the resumed checkpoint's, or for a fresh
+    start rank 0's new id (every rank must write the same one into its markers).
+    """
+    proposal = checkpoints.new_lineage()
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return resume
-    steps: list[int | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(steps, resume.step if resume else None)
+        return resume, resume.lineage if resume else proposal
+    gathered: list[tuple[int | None, str] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (resume.step if resume else None, proposal))
     import socket
 
-    return checkpoints.agree_on_resume(resume, steps, output_dir, socket.gethostname())
+    steps = [entry[0] for entry in gathered]  # type: ignore[index]
+    chosen = checkpoints.agree_on_resume(resume, steps, output_dir, socket.gethostname())
+    return chosen, chosen.lineage if chosen else gathered[0][1]  # type: ignore[index]
+
+
+def _already_complete(finished: checkpoints.Finished, ranks: Ranks, log: ProgressLog) -> Path:
+    """A relaunch of a run that trained to its end: say so and train nothing (see checkpoints.finished_run)."""
+    if ranks.rank == 0:
+        print(
+            f"dzctl-train: already complete: {finished.step} steps, model at {finished.model}; nothing to train "
+            "(a larger train.max_steps continues this run, a new train.output_dir starts a fresh one)",
+            flush=True,
+        )
+        log.write(
+            "end",
+            step=finished.step,
+            max_steps=finished.step,
+            eta_s=0.0,
+            path=finished.model,
+            already_complete=True,
+        )
+    return Path(finished.model)
 
 
 def train(
@@ -561,10 +607,19 @@ def train(
     """Run the job; return the consolidated model folder (``None`` when saving is off)."""
     spec = loaded.spec
     ranks = Ranks.from_env(node_local=spec.train.output_storage == "node-local")
+    start = checkpoints.resume_candidate(spec.train.resume, output_dir)
+    finished = checkpoints.finished_run(start, spec.train.max_steps, spec.train.epochs, model_here=ranks.rank == 0)
+    if finished is not None:
+        return _already_complete(finished, ranks, log)
     settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
     universal = (spec.zero.overrides.get("checkpoint") or {}).get("load_universal") is True
-    resume = checkpoints.choose_resume(
-        spec.train.resume, output_dir, ranks.world_size, load_universal=universal, max_steps=spec.train.max_steps
+    resume = checkpoints.check_resume(
+        start,
+        spec.train.resume,
+        output_dir,
+        ranks.world_size,
+        load_universal=universal,
+        max_steps=spec.train.max_steps,
     )
     if ranks.rank == 0:
         print(
@@ -587,7 +642,10 @@ def train(
         os.environ.setdefault(key, value)  # the job's own launch.env wins (a tracking server, online wandb)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
-    resume = _agree_on_resume(resume, output_dir)
+    resume, lineage = _agree_on_resume(resume, output_dir)
+    if ranks.rank == 0 and save:
+        how = f"continued from step {resume.step}" if resume else "new"
+        print(f"dzctl-train: checkpoint line {lineage} ({how}) in {output_dir}", flush=True)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     packed = settings.packing and not spec.data.synthetic
     kernel = attention.choose_kernel() if packed else None
@@ -607,6 +665,7 @@ def train(
         log,
         ranks,
         save=save,
+        lineage=lineage,
         keep=spec.train.save_total_limit,
         start_extra={"packing": packed, "attention": used},
     )
@@ -619,6 +678,7 @@ def train(
         callbacks=[callback],
     )
     callback.trainer = trainer
+    trainer.lineage, trainer.marks_folders = lineage, ranks.marks_folders
     if spec.train.method == "lora":
         trainer.lora_base_name = lora.base_name(loaded, output_dir)
     result = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
@@ -635,6 +695,19 @@ def train(
             tokenizer.save_pretrained(str(final_dir))
             checkpoints.check_consolidated(final_dir, expected_shapes(trainer.model))
             print(f"dzctl-train: model consolidated in {time.perf_counter() - consolidating:.1f} s", flush=True)
+    if final_dir is not None:
+        # Rank 0 has checked the model: only now may a relaunch call this run finished.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if ranks.marks_folders:
+            checkpoints.write_finished(
+                output_dir,
+                lineage=lineage,
+                step=trainer.state.global_step,
+                max_steps=spec.train.max_steps,
+                epochs=spec.train.epochs,
+                model=final_dir,
+            )
     peaks = gather_memory_peaks()
     if ranks.rank == 0:
         state = trainer.state

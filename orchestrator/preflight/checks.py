@@ -35,6 +35,9 @@ CONTAINER_S = 180.0
 # so GPU jobs want far more; CPU jobs here are test-sized.
 DISK_FAIL_BYTES = 1 * 2**30
 DISK_WARN_BYTES = {"gpu": 100 * 2**30, "cpu": 2 * 2**30}
+# train.save: false writes no checkpoint and no final model: only the logs, the progress
+# record and the tokenized data cache (data.cache_dir, under the output dir by default).
+NO_SAVE_WARN_BYTES = 2 * 2**30
 # NCCL's shared-memory transport and DeepSpeed's CPU shm op live in /dev/shm;
 # Docker's default of 64 MiB makes NCCL fail with "unhandled system error".
 SHM_MIN_BYTES = 1 * 2**30
@@ -278,6 +281,7 @@ def check_route(
 
 # -- storage --------------------------------------------------------------------
 def check_disk(conn: Connection, ctx: Context) -> Check:
+    """Free space where the run writes (the output dir, the job dir), against what this plan writes there."""
     paths = list(dict.fromkeys([ctx.node.output_dir, ctx.node.job_dir.rsplit("/jobs/", 1)[0]]))
     result = _run(conn, ["sh", "-c", DISK_SCRIPT, "sh", *paths])
     try:
@@ -286,12 +290,19 @@ def check_disk(conn: Connection, ctx: Context) -> Check:
         return fail("disk", str(exc), "check `df -P` on the node")
     if not spaces:
         return fail("disk", f"df failed: {_tail(result)}", "check that df (coreutils) works on the node")
-    need = DISK_WARN_BYTES[ctx.spec.accelerator]
+    saves = ctx.spec.train.save
+    need = DISK_WARN_BYTES[ctx.spec.accelerator] if saves else NO_SAVE_WARN_BYTES
     worst = min(spaces, key=lambda s: s.avail_bytes)
     detail = "; ".join(f"{s.path}: {p.gib(s.avail_bytes)} free on {s.mount}" for s in spaces)
     if worst.avail_bytes < DISK_FAIL_BYTES:
         return fail("disk", detail, f"free space on {worst.mount} or point train.output_dir elsewhere")
     if worst.avail_bytes < need:
+        if not saves:
+            return warn(
+                "disk",
+                detail + f" (train.save is false: the logs and the data cache want ≥ {p.gib(need)})",
+                f"free space on {worst.mount}, or point train.output_dir (and data.cache_dir) elsewhere",
+            )
         return warn(
             "disk",
             detail + f" (checkpoints want ≥ {p.gib(need)})",

@@ -179,6 +179,7 @@ def prepare(
     """
     from ..preflight import run_preflight
     from ..preflight.collective import collective_unless_skipped
+    from ..preflight.loading.ops import require_ops
 
     options = options or LaunchOptions()
     progress = progress or Silent()
@@ -203,6 +204,8 @@ def prepare(
     capability = _min_reading(report, "gpu_compute_capability")
     with phases.timed("memory_plan"):
         memory, ds_config = memory_choice(inputs, nodes, gpu_mem, host_mem, capability, report.nvme, progress)
+    # zero.offload: auto is decided only now: the ops the chosen config loads must load on every node.
+    require_ops(report, ds_config, job.spec.accelerator)
     # Last before the start, as the model would load: every rank of every node in one all-reduce.
     with phases.timed("collective"):
         collective_unless_skipped(

@@ -189,7 +189,7 @@ def prepare(
     started_at = time.monotonic()
     with phases.timed("preflight"), progress.busy(f"preflight: checking {len(nodes)} node(s)"):
         report = run_preflight(job, nodes, pool, inputs=inputs)
-    if job.spec.runtime == "docker" and options.distribute and _image_missing(report):
+    if job.spec.runtime == "docker" and options.distribute and only_the_image_missing(report):
         # The one failure launch repairs itself: ship the image, then check again.
         with phases.timed("distribute"):
             _distribute(job, nodes, pool, progress)
@@ -265,8 +265,11 @@ def _min_reading(report, name: str) -> float | None:
     return values
 
 
-def _image_missing(report) -> bool:
-    return any(check.name == "image" for _, check in report.failures())
+def only_the_image_missing(report) -> bool:
+    """Whether shipping the image is all that stands before the start. A node that fails anything else
+    (its data or weights, its disk, its Docker) is refused first: minutes of image copying would not fix it."""
+    failed = {check.name for _, check in report.failures()}
+    return failed == {"image"}
 
 
 def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, progress: Progress) -> None:

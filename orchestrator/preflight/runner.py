@@ -31,7 +31,7 @@ from ..transport.results import Result
 from . import checks as c
 from . import datacheck, nvme
 from . import parsers as p
-from .loading import ops
+from .loading import ops, weights
 from .model import Check, HostReport, PreflightReport, fail, ok, warn
 
 CHECK_ORDER = (
@@ -42,6 +42,7 @@ CHECK_ORDER = (
     "disk",
     "upload",
     "data",
+    "weights",
     "infiniband",
     "nvidia-smi",
     "docker",
@@ -140,8 +141,11 @@ def run_preflight(
     master_target = _master_target(spec, pool, hosts[0])
     facts = {h: c.Facts() for h in reachable}
     nvme_need = _nvme_need(job, plan, inputs)
+    # What the ranks download when the hub model is not cached (weights.py); unknown without the model's shape.
+    download = inputs.shape.total_params * weights.BYTES_PER_PARAM if inputs is not None else None
     per_node = pool.map(
-        lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target, nvme_need), reachable
+        lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target, nvme_need, download),
+        reachable,
     )
     for host, outcome in per_node.items():
         reports[host].checks += _as_checks(outcome, "checks")
@@ -245,15 +249,25 @@ def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan, inputs: JobInputs | N
 
 
 def _node_checks(
-    conn: Connection, ctx: c.Context, facts: c.Facts, master_target: str | None, nvme_need: int | None = None
+    conn: Connection,
+    ctx: c.Context,
+    facts: c.Facts,
+    master_target: str | None,
+    nvme_need: int | None = None,
+    download_bytes: int | None = None,
 ) -> list[Check]:
     """One node's checks. Independent groups run at once, each on its own channel of the one connection:
     on a real cluster each command costs a round trip and a session start, so this saves most of the wait."""
     groups = [
         partial(c.safe, "hostname", c.check_identity, conn, ctx, facts, master_target),
         partial(c.safe, "disk", c.check_disk, conn, ctx),
-        # The node-side data sources after the upload probe, on its channel (see datacheck.py).
-        lambda: c.safe("upload", c.check_upload, conn, ctx) + c.safe("data", datacheck.check_data, conn, ctx),
+        # The node-side data sources and the model after the upload probe, on its channel
+        # (datacheck.py, loading/weights.py).
+        lambda: (
+            c.safe("upload", c.check_upload, conn, ctx)
+            + c.safe("data", datacheck.check_data, conn, ctx)
+            + c.safe("weights", weights.check_weights, conn, ctx, download_bytes)
+        ),
         partial(c.safe, "infiniband", c.check_infiniband, conn, ctx, facts),
     ]
     if ctx.gpu:

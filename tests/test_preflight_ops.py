@@ -114,3 +114,52 @@ def test_an_unanswered_probe_fails_with_the_fix():
 
     check = ops_check({"ops_error": "ImportError: no deepspeed.accelerator"}, [CPU_ADAM], [], "python3 on the node")
     assert check.status == "fail" and "ImportError" in check.detail and check.fix == BUILD_FIX
+
+
+@pytest.mark.integration
+def test_cpu_image_without_its_compiler_fails_an_offload_plan_and_still_takes_the_tiny_job(
+    docker_pair, cpu_image_tag, tmp_path
+):
+    """The CPU image with its compiler removed, on real docker hosts: the shm op it built at `dzctl build`
+    still loads (the tiny job's plan passes), cpu_adam could only be JIT-built (an offload plan fails)."""
+    import subprocess
+
+    hosts = docker_pair
+    derived = "dzctl-test/cpu-no-compiler:1"
+    compilers = "$(command -v g++ c++ gcc cc) /usr/bin/*-linux-gnu-g++* /usr/bin/*-linux-gnu-gcc*"
+    dockerfile = f"FROM {cpu_image_tag}\nRUN rm -f {compilers}\n"
+    try:
+        for host in hosts.hosts:
+            built = subprocess.run(
+                ["docker", "-H", host.docker_host, "build", "--network", "host", "-t", derived, "-"],
+                input=dockerfile,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert built.returncode == 0, built.stderr[-2000:]
+        nodes = load_nodes(hosts.write_hostfile(tmp_path / "hostfile", slots=1))
+        sets = [f"image={derived}", f"launch.remote_dir=/var/tmp/dzctl-ops-{hosts.cid}"]
+        with HostPool([n.host for n in nodes], ssh_config=hosts.ssh_config) as pool:
+            offloading = load_job(CPU_JOB, [*sets, "zero.offload=optimizer", "launch.master_port=29644"], "docker")
+            offload = run_preflight(offloading, nodes, pool)
+            tiny = run_preflight(load_job(CPU_JOB, [*sets, "launch.master_port=29645"], "docker"), nodes, pool)
+    finally:
+        for host in hosts.hosts:
+            subprocess.run(
+                ["docker", "-H", host.docker_host, "rmi", "--force", derived], capture_output=True, check=False
+            )
+    for host in offload.hosts:
+        check = host.check("deepspeed-ops")
+        assert check is not None and check.status == "fail", render_report(offload)
+        assert check.detail.startswith(
+            f"in the image: cpu_adam (optimizer offload) is not prebuilt and cannot be JIT-built: {NO_CC}"
+        )
+        assert "deepspeed_shm_comm" not in check.detail  # built into the image by dzctl build
+    for host in tiny.hosts:
+        check = host.check("deepspeed-ops")
+        assert check.status == "ok", render_report(tiny)
+        assert (
+            check.detail
+            == "in the image: deepspeed_shm_comm built earlier in /opt/venv/torch-extensions/deepspeed_shm_comm"
+        )

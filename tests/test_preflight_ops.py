@@ -5,7 +5,8 @@ compiler is "removed" as the job would see it: the job's ``launch.env.PATH`` is 
 ninja and a shell but no C++ compiler, and ``TORCH_EXTENSIONS_DIR`` is a fresh folder, so no op
 was built earlier. That is how DeepSpeed decides: ``CPUAdamBuilder().is_compatible()`` says True
 without a compiler, and ``DeepSpeedCPUAdam`` then fails with "the cpu_adam op, which failed to
-build/load" (checked by hand with this venv, ``CXX=/nonexistent/c++``).
+build/load" (checked by hand with this venv, ``CXX=/nonexistent/c++``). The last integration test
+does the same with the CPU image itself on real docker hosts, its compilers deleted.
 """
 
 from __future__ import annotations

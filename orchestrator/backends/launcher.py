@@ -207,6 +207,7 @@ def prepare(
     """
     from ..preflight import run_preflight
     from ..preflight.collective import collective_unless_skipped
+    from ..preflight.loading.ops import require_ops
 
     options = options or LaunchOptions()
     progress = progress or Silent()
@@ -216,7 +217,7 @@ def prepare(
     started_at = time.monotonic()
     with phases.timed("preflight"), progress.busy(f"preflight: checking {len(nodes)} node(s)"):
         report = run_preflight(job, nodes, pool, inputs=inputs)
-    if job.spec.runtime == "docker" and options.distribute and _image_missing(report):
+    if job.spec.runtime == "docker" and options.distribute and only_the_image_missing(report):
         # The one failure launch repairs itself: ship the image, then check again.
         with phases.timed("distribute"):
             _distribute(job, nodes, pool, progress)
@@ -231,6 +232,8 @@ def prepare(
     capability = _min_reading(report, "gpu_compute_capability")
     with phases.timed("memory_plan"):
         memory, ds_config = memory_choice(inputs, nodes, gpu_mem, host_mem, capability, report.nvme, progress)
+    # zero.offload: auto is decided only now: the ops the chosen config loads must load on every node.
+    require_ops(report, ds_config, job.spec.accelerator)
     # Last before the start, as the model would load: every rank of every node in one all-reduce.
     with phases.timed("collective"):
         collective_unless_skipped(
@@ -290,8 +293,11 @@ def _min_reading(report, name: str) -> float | None:
     return values
 
 
-def _image_missing(report) -> bool:
-    return any(check.name == "image" for _, check in report.failures())
+def only_the_image_missing(report) -> bool:
+    """Whether shipping the image is all that stands before the start. A node that fails anything else
+    (its data or weights, its disk, its Docker) is refused first: minutes of image copying would not fix it."""
+    failed = {check.name for _, check in report.failures()}
+    return failed == {"image"}
 
 
 def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, progress: Progress) -> None:

@@ -35,6 +35,9 @@ CONTAINER_S = 180.0
 # so GPU jobs want far more; CPU jobs here are test-sized.
 DISK_FAIL_BYTES = 1 * 2**30
 DISK_WARN_BYTES = {"gpu": 100 * 2**30, "cpu": 2 * 2**30}
+# train.save: false writes no checkpoint and no final model: only the logs, the progress
+# record and the tokenized data cache (data.cache_dir, under the output dir by default).
+NO_SAVE_WARN_BYTES = 2 * 2**30
 # NCCL's shared-memory transport and DeepSpeed's CPU shm op live in /dev/shm;
 # Docker's default of 64 MiB makes NCCL fail with "unhandled system error".
 SHM_MIN_BYTES = 1 * 2**30
@@ -92,6 +95,45 @@ except Exception as exc:
 # later rank waits on it forever. The folder is the trainer's (train/environment.py) unless set.
 import glob, tempfile, time
 ext = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(tempfile.gettempdir(), "dzctl-torch-extensions")
+if os.environ.get("DZ_OPS"):  # the op builders the plan loads (preflight/loading/ops.py): as DeepSpeed's load() decides
+    try:
+        import shutil
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import accelerator_name, installed_ops
+        from deepspeed.ops.op_builder.builder import CUDAOpBuilder, probe_is_compatible
+        from torch.utils import cpp_extension
+        accel, ops = get_accelerator(), {}
+        for cls in os.environ["DZ_OPS"].split(","):
+            builder = accel.create_op_builder(cls)
+            if builder is None:
+                ops[cls] = {"missing": [f"DeepSpeed's {accel._name} accelerator has no {cls}"]}
+                continue
+            name, missing = builder.NAME, []
+            built = glob.glob(os.path.join(ext, name, name + "*.so"))
+            if installed_ops.get(name) and accelerator_name == accel._name:
+                ops[cls] = {"op": name, "how": "prebuilt"}
+                continue
+            if built:  # torch reloads it without compiling while its sources are unchanged
+                ops[cls] = {"op": name, "how": "built", "dir": os.path.dirname(built[0])}
+                continue
+            if not probe_is_compatible(builder, False):
+                why = getattr(builder, "error_log", None)
+                missing.append("DeepSpeed's builder says it is not compatible here" + (f" ({why})" if why else ""))
+            cxx = cpp_extension.get_cxx_compiler()
+            if not shutil.which(cxx):
+                missing.append(f"no C++ compiler: {cxx} ($CXX, else c++) is not on PATH")
+            if not cpp_extension.is_ninja_available():
+                missing.append("ninja is not on PATH")
+            tools = [shutil.which(cxx) or cxx, "ninja"]
+            if isinstance(builder, CUDAOpBuilder) and torch.cuda.is_available():
+                nvcc = os.path.join(cpp_extension.CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
+                if not os.path.exists(nvcc):
+                    missing.append(f"no nvcc ({nvcc}): CUDA ops need the CUDA toolkit")
+                tools.append(nvcc)
+            ops[cls] = {"op": name, "how": "jit", "tools": ", ".join(tools), "missing": missing}
+        out["ops"] = ops
+    except Exception as exc:
+        out["ops_error"] = f"{type(exc).__name__}: {exc}"[:300]
 out["extension_locks"] = [[f, time.time() - os.path.getmtime(f)] for f in glob.glob(os.path.join(ext, "*", "lock"))]
 print("DZCTL_ENV " + json.dumps(out))
 """
@@ -113,6 +155,9 @@ class Context:
     plan: LaunchPlan
     node: NodePlan
     image_missing_ok: bool = False  # launch distributes a missing image itself
+    # DeepSpeed op builders the plan loads, and those only an offload the planner may choose loads (loading/ops.py).
+    ops: list[str] = field(default_factory=list)
+    maybe_ops: list[str] = field(default_factory=list)
 
     @property
     def gpu(self) -> bool:
@@ -121,6 +166,19 @@ class Context:
     @property
     def docker(self) -> bool:
         return self.spec.runtime == "docker"
+
+    def probe_env(self) -> dict[str, str]:
+        """What the Python probe runs with beyond the node's own environment: as the ranks would see it."""
+        env = {}
+        if self.ops or self.maybe_ops:
+            env["DZ_OPS"] = ",".join(self.ops + self.maybe_ops)
+        if not self.gpu:  # the trainer sets it before DeepSpeed picks its accelerator (train/environment.py)
+            env["DS_ACCELERATOR"] = "cpu"
+        # The job's own settings that decide where ops are built and with what.
+        for name in ("TORCH_EXTENSIONS_DIR", "CXX", "PATH", "CUDA_HOME", "DS_ACCELERATOR"):
+            if name in self.spec.launch.env:
+                env[name] = self.spec.launch.env[name]
+        return env
 
     @property
     def python(self) -> str:
@@ -278,6 +336,7 @@ def check_route(
 
 # -- storage --------------------------------------------------------------------
 def check_disk(conn: Connection, ctx: Context) -> Check:
+    """Free space where the run writes (the output dir, the job dir), against what this plan writes there."""
     paths = list(dict.fromkeys([ctx.node.output_dir, ctx.node.job_dir.rsplit("/jobs/", 1)[0]]))
     result = _run(conn, ["sh", "-c", DISK_SCRIPT, "sh", *paths])
     try:
@@ -286,12 +345,19 @@ def check_disk(conn: Connection, ctx: Context) -> Check:
         return fail("disk", str(exc), "check `df -P` on the node")
     if not spaces:
         return fail("disk", f"df failed: {_tail(result)}", "check that df (coreutils) works on the node")
-    need = DISK_WARN_BYTES[ctx.spec.accelerator]
+    saves = ctx.spec.train.save
+    need = DISK_WARN_BYTES[ctx.spec.accelerator] if saves else NO_SAVE_WARN_BYTES
     worst = min(spaces, key=lambda s: s.avail_bytes)
     detail = "; ".join(f"{s.path}: {p.gib(s.avail_bytes)} free on {s.mount}" for s in spaces)
     if worst.avail_bytes < DISK_FAIL_BYTES:
         return fail("disk", detail, f"free space on {worst.mount} or point train.output_dir elsewhere")
     if worst.avail_bytes < need:
+        if not saves:
+            return warn(
+                "disk",
+                detail + f" (train.save is false: the logs and the data cache want ≥ {p.gib(need)})",
+                f"free space on {worst.mount}, or point train.output_dir (and data.cache_dir) elsewhere",
+            )
         return warn(
             "disk",
             detail + f" (checkpoints want ≥ {p.gib(need)})",
@@ -399,8 +465,7 @@ def check_python_env(conn: Connection, ctx: Context, facts: Facts) -> list[Check
         env["DZ_AIO_TEST"] = "1"
     if ctx.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ctx.node.gpus))
-    if "TORCH_EXTENSIONS_DIR" in ctx.spec.launch.env:  # the ranks build their ops there
-        env["TORCH_EXTENSIONS_DIR"] = ctx.spec.launch.env["TORCH_EXTENSIONS_DIR"]
+    env.update(ctx.probe_env())
     result = _run(conn, [ctx.python, "-c", PYTHON_PROBE], timeout=CONTAINER_S, env=env)
     fix = (
         f"install torch and deepspeed for {ctx.python} on every node, "
@@ -530,6 +595,8 @@ def check_container(conn: Connection, ctx: Context, facts: Facts) -> list[Check]
         argv += ["--gpus", '"device=' + ",".join(map(str, ctx.node.gpus)) + '"', "--env", "DZ_NCCL_TEST=1"]
     if ctx.spec.zero.nvme_path:
         argv += ["--env", "DZ_AIO_TEST=1"]
+    for name, value in ctx.probe_env().items():
+        argv += ["--env", f"{name}={value}"]
     argv += ["--entrypoint", "sh", ctx.spec.image, "-c", CONTAINER_SCRIPT, "sh", PYTHON_PROBE]
     result = _run(conn, argv, timeout=CONTAINER_S)
     # Mostly the container's start and its Python importing torch: reported apart from
@@ -691,8 +758,8 @@ def gpu_stack_check(labels: dict[str, str]) -> Check | None:
     if prebuilt == "none" and nvcc == "none":
         return warn(
             "gpu-stack",
-            detail + "; DeepSpeed's ops are not prebuilt and the image has no nvcc to JIT them: "
-            "FusedAdam and CPU Adam (optimizer offload) fail at first use",
+            detail + "; DeepSpeed's ops are not prebuilt and the image has no nvcc to JIT its CUDA ops "
+            "(deepspeed-ops says whether the ops this plan loads can be built)",
             "build on a CUDA devel base (dzctl build --flavour cuda with its default base) to prebuild them",
         )
     return ok("gpu-stack", detail + f"; DeepSpeed ops prebuilt: {prebuilt or '?'}")

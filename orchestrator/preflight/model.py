@@ -78,6 +78,8 @@ class PreflightReport:
     collective: dict | None = None
     # Per host, zero.nvme_path where usable: free_bytes, read_bytes_per_s, write_bytes_per_s.
     nvme: dict[str, dict] = field(default_factory=dict)
+    # Per host, the Python probe's answer per DeepSpeed op builder the plan may load (preflight/loading/ops.py).
+    deepspeed_ops: dict[str, dict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

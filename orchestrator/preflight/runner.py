@@ -31,6 +31,7 @@ from ..transport.results import Result
 from . import checks as c
 from . import datacheck, nvme
 from . import parsers as p
+from .loading import ops, weights
 from .model import Check, HostReport, PreflightReport, fail, ok, warn
 
 CHECK_ORDER = (
@@ -41,6 +42,7 @@ CHECK_ORDER = (
     "disk",
     "upload",
     "data",
+    "weights",
     "infiniband",
     "nvidia-smi",
     "docker",
@@ -53,6 +55,7 @@ CHECK_ORDER = (
     "torch-extensions",
     "nvme",
     "nvme-aio",
+    "deepspeed-ops",
     "same-everywhere",
     "collective",
 )
@@ -113,7 +116,10 @@ def run_preflight(
     spec = job.spec if isinstance(job, LoadedJob) else job
     started = time.monotonic()
     plan = plan or make_plan(spec, nodes, "preflight")
-    contexts = {n.host: c.Context(spec, plan, n, image_missing_ok) for n in plan.nodes}
+    inputs = inputs or _local_inputs(job)
+    offloads = _offloads_optimizer(spec, inputs)
+    sure_ops, maybe_ops = ops.ops_to_probe(spec.accelerator, offloads, bool(spec.zero.nvme_path))
+    contexts = {n.host: c.Context(spec, plan, n, image_missing_ok, sure_ops, maybe_ops) for n in plan.nodes}
     reports = {n.host: HostReport(n.host, n.node_rank) for n in plan.nodes}
     hosts = [n.host for n in plan.nodes]
 
@@ -135,8 +141,11 @@ def run_preflight(
     master_target = _master_target(spec, pool, hosts[0])
     facts = {h: c.Facts() for h in reachable}
     nvme_need = _nvme_need(job, plan, inputs)
+    # What the ranks download when the hub model is not cached (weights.py); unknown without the model's shape.
+    download = inputs.shape.total_params * weights.BYTES_PER_PARAM if inputs is not None else None
     per_node = pool.map(
-        lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target, nvme_need), reachable
+        lambda conn: _node_checks(conn, contexts[conn.host], facts[conn.host], master_target, nvme_need, download),
+        reachable,
     )
     for host, outcome in per_node.items():
         reports[host].checks += _as_checks(outcome, "checks")
@@ -193,6 +202,7 @@ def run_preflight(
         infiniband={h: f.infiniband for h, f in facts.items() if f.infiniband},
         container_probe_s={h: round(f.container_probe_s, 3) for h, f in facts.items() if f.container_probe_s},
         nvme={h: f.nvme for h, f in facts.items() if f.nvme},
+        deepspeed_ops={h: f.env["ops"] for h, f in facts.items() if isinstance(f.env.get("ops"), dict)},
     )
 
 
@@ -200,6 +210,28 @@ def _as_checks(outcome, name: str) -> list[Check]:
     if isinstance(outcome, Exception):
         return [fail(name, str(outcome), getattr(outcome, "fix", None) or "rerun; check the node")]
     return [outcome] if isinstance(outcome, Check) else list(outcome)
+
+
+def _local_inputs(job: LoadedJob | JobSpec) -> JobInputs | None:
+    """The job's local inputs, where they can be read here (launch refuses a bad one before preflight)."""
+    from ..planning.inputs import read_inputs
+
+    if not isinstance(job, LoadedJob):
+        return None
+    try:
+        return read_inputs(job)
+    except DzError:
+        return None
+
+
+def _offloads_optimizer(spec: JobSpec, inputs: JobInputs | None) -> bool | None:
+    """Whether the plan offloads the optimizer, as the planner is allowed (None: the planner decides)."""
+    from ..planning.memory.fromjob import allowed_from
+
+    offload = allowed_from(inputs).offload if inputs is not None else None
+    if inputs is None and spec.zero.config is None:
+        offload = None if spec.zero.offload == "auto" else spec.zero.offload
+    return None if offload is None else offload in ("optimizer", "all", "nvme")
 
 
 def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan, inputs: JobInputs | None) -> int | None:
@@ -217,15 +249,25 @@ def _nvme_need(job: LoadedJob | JobSpec, plan: LaunchPlan, inputs: JobInputs | N
 
 
 def _node_checks(
-    conn: Connection, ctx: c.Context, facts: c.Facts, master_target: str | None, nvme_need: int | None = None
+    conn: Connection,
+    ctx: c.Context,
+    facts: c.Facts,
+    master_target: str | None,
+    nvme_need: int | None = None,
+    download_bytes: int | None = None,
 ) -> list[Check]:
     """One node's checks. Independent groups run at once, each on its own channel of the one connection:
     on a real cluster each command costs a round trip and a session start, so this saves most of the wait."""
     groups = [
         partial(c.safe, "hostname", c.check_identity, conn, ctx, facts, master_target),
         partial(c.safe, "disk", c.check_disk, conn, ctx),
-        # The node-side data sources after the upload probe, on its channel (see datacheck.py).
-        lambda: c.safe("upload", c.check_upload, conn, ctx) + c.safe("data", datacheck.check_data, conn, ctx),
+        # The node-side data sources and the model after the upload probe, on its channel
+        # (datacheck.py, loading/weights.py).
+        lambda: (
+            c.safe("upload", c.check_upload, conn, ctx)
+            + c.safe("data", datacheck.check_data, conn, ctx)
+            + c.safe("weights", weights.check_weights, conn, ctx, download_bytes)
+        ),
         partial(c.safe, "infiniband", c.check_infiniband, conn, ctx, facts),
     ]
     if ctx.gpu:
@@ -244,9 +286,13 @@ def _node_checks(
         checks += [cuda] if cuda else []
         stack = c.gpu_stack_check(facts.image_labels)
         checks += [stack] if stack else []
+    where = "in the image" if ctx.docker else f"{ctx.python} on the node"
+    ran_python = any(chk.name in ("image-runtime", "python-env") and chk.status != "fail" for chk in checks)
+    if ran_python:  # after the group that ran the job's Python: facts.env holds its answer about the ops
+        found = ops.ops_check(facts.env, ctx.ops, ctx.maybe_ops, where)
+        checks += [found] if found else []
     if ctx.spec.zero.nvme_path:
         # After the group that ran the job's Python (facts.env holds its async_io answer).
-        where = "in the image" if ctx.docker else f"{ctx.python} on the node"
         found, usable = nvme.check_nvme(conn, ctx.python, ctx.spec.zero.nvme_path, nvme_need, facts.env, where)
         checks += found
         facts.nvme = nvme.reading_dict(usable) if usable else None

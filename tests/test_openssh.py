@@ -125,3 +125,45 @@ def test_a_link_whose_connection_dies_reports_no_exit_status_and_is_not_connecte
     runner.join(timeout=20)
     assert ended and ended[0].exit_code == NO_EXIT_STATUS
     assert not link.connected
+
+
+def test_the_marker_filter_drops_only_a_marker_that_ends_the_output():
+    from orchestrator.transport.openssh import _MarkerFilter
+
+    marker = b"MARK-1234\n"
+    streamed: list[bytes] = []
+    ended = _MarkerFilter(marker, streamed.append)
+    for chunk in (b"last words\nMA", b"RK-12", b"34\n"):  # the marker split across chunks
+        ended(chunk)
+    assert ended.finish() and b"".join(streamed) == b"last words\n"
+    kept = _MarkerFilter(marker, None)
+    for chunk in (b"MARK-1234\n", b"more after it\n", b"MARK"):  # not at the end: the command's own bytes
+        kept(chunk)
+    assert not kept.finish() and kept.text == "MARK-1234\nmore after it\nMARK"
+
+
+@pytest.mark.integration
+def test_a_command_that_exits_255_is_its_result_and_the_link_stays_usable(cluster):
+    hosts = cluster(1)
+    with HostPool(["node0"], ssh_config=hosts.ssh_config) as pool:
+        links, _, _ = stream_links(pool, ["node0"], "openssh")
+    link = links["node0"]
+    result = link.run(["sh", "-c", "echo partial >&2; exit 255"])
+    assert result.exit_code == 255 and result.stderr == "partial\n"  # the wrapper's marker is not shown
+    assert link.connected
+    streamed: list[bytes] = []
+    assert link.run(["sh", "-c", "printf oops >&2; exit 255"], on_stderr=streamed.append).exit_code == 255
+    assert b"".join(streamed) == b"oops"
+    assert link.run(["sh", "-c", "exit 254"]).exit_code == 254
+    assert link.run(["hostname"]).stdout.strip() == "node0" and link.connected
+
+
+@pytest.mark.integration
+def test_a_stopped_sshd_is_a_lost_link_not_a_command_result(cluster):
+    hosts = cluster(1)
+    with HostPool(["node0"], ssh_config=hosts.ssh_config) as pool:
+        links, _, _ = stream_links(pool, ["node0"], "openssh")
+    link = links["node0"]
+    hosts.stop_sshd(hosts.hosts[0])  # the client itself fails: ssh exits 255 with no marker
+    result = link.run(["sh", "-c", "exit 0"], timeout=30)
+    assert result.exit_code == NO_EXIT_STATUS and not link.connected

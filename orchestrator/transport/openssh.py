@@ -15,16 +15,22 @@ checked the host's key against those known_hosts files, or recorded it where the
 that (``--trust-new-hosts``, ``accept-new``), so OpenSSH checks the same key. Each node is probed
 with ``true`` first; a node the client cannot reach that way (no ``ssh`` binary, a key only
 paramiko found, a jump host it resolves differently) keeps paramiko and the run says so.
+
+``ssh`` exits 255 both when its connection fails and when the remote command itself exits 255.
+To tell them apart, each command runs behind a small wrapper that, only when the command's status
+is 255, prints a marker line (a token fresh for each run) as the last thing on stderr. A 255 with
+the marker is the command's own result; one without it is the client's failure (a lost link).
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import shutil
 from collections.abc import Iterable
 
 from ..errors import InputError
-from .connection import command_line
+from .connection import command_line, decoded, deliver
 from .local import LOCAL_HOSTS, LocalConnection
 from .results import NO_EXIT_STATUS, Result
 from .sshconfig import HostConfig
@@ -87,23 +93,78 @@ class OpenSSHLink(LocalConnection):
         return not self._lost
 
     def run(self, argv, *, timeout=None, stdin=None, check=False, env=None, on_stdout=None, on_stderr=None) -> Result:
+        marker = f"dzctl-openssh-exit-255-{secrets.token_hex(8)}"
+        stderr = _MarkerFilter(f"{marker}\n".encode(), on_stderr)
         ran = super().run(
-            [*self.prefix, command_line(argv, env)],
+            [*self.prefix, wrapped_command(command_line(argv, env), marker)],
             timeout=timeout,
             stdin=stdin,
             on_stdout=on_stdout,
-            on_stderr=on_stderr,
+            on_stderr=stderr,
         )
+        said_255 = stderr.finish()
         code = ran.exit_code
-        if code == LOST:
+        if code == LOST and not said_255:
             # The client's own failure, not the command's: reported as paramiko reports a dropped
             # session, so callers tell a lost link from a failed command the same way for both.
             self._lost, code = True, NO_EXIT_STATUS
-        result = Result(self.host, tuple(argv), code, ran.stdout, ran.stderr, ran.elapsed_s)
+        result = Result(self.host, tuple(argv), code, ran.stdout, stderr.text, ran.elapsed_s)
         return result.check() if check else result
 
     def close(self) -> None:
         self.kill_running()
+
+
+def wrapped_command(line: str, marker: str) -> str:
+    """``line`` for the remote login shell, printing ``marker`` on stderr only if it exits 255.
+
+    The wrapper exits with the command's own status, so every other status reads as before.
+    """
+    return f'{line}; s=$?; [ "$s" -ne {LOST} ] || printf "%s\\n" {marker} >&2; exit "$s"'
+
+
+class _MarkerFilter:
+    """The command's stderr as it arrives, less the wrapper's marker when it ends the output.
+
+    Bytes that may be the start of the marker are held back until the next chunk shows they are
+    not (or the output ends); the rest goes to ``forward`` (streamed) or is kept as ``text``.
+    """
+
+    def __init__(self, marker: bytes, forward) -> None:
+        self.marker = marker
+        self.forward = forward
+        self._kept: list[bytes] = []
+        self._held = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        data = self._held + chunk
+        keep = _marker_prefix_at_end(data, self.marker)
+        self._held = data[len(data) - keep :]
+        self._emit(data[: len(data) - keep])
+
+    def finish(self) -> bool:
+        """Whether the output ended with the marker (which is then dropped)."""
+        held, self._held = self._held, b""
+        if held == self.marker:
+            return True
+        self._emit(held)
+        return False
+
+    @property
+    def text(self) -> str:
+        return decoded(self._kept)
+
+    def _emit(self, data: bytes) -> None:
+        if data:
+            deliver(data, self._kept, self.forward)
+
+
+def _marker_prefix_at_end(data: bytes, marker: bytes) -> int:
+    """The length of the longest end of ``data`` that is a start of ``marker`` (0: none)."""
+    for length in range(min(len(data), len(marker)), 0, -1):
+        if data.endswith(marker[:length]):
+            return length
+    return 0
 
 
 def stream_links(pool, hosts: Iterable[str], client: str = "auto") -> tuple[dict, dict[str, str], list[str]]:

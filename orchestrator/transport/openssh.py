@@ -9,8 +9,9 @@ MB per node, so ``distribute`` sends it through ``ssh`` and keeps paramiko for e
 (short commands, SFTP, the checks).
 
 The OpenSSH client is pointed at exactly what the ``HostPool`` resolved for the host (HostName,
-Port, User, IdentityFile, UserKnownHostsFile, ProxyJump) and is never allowed to ask or to learn
-anything: ``BatchMode`` and ``StrictHostKeyChecking yes``. The pool's own connection has already
+Port, User, IdentityFile, UserKnownHostsFile, and each ProxyJump hop as the pool resolved it) and
+is never allowed to ask or to learn anything: ``BatchMode`` and ``StrictHostKeyChecking yes``, for
+the host and for every hop. The pool's own connection has already
 checked the host's key against those known_hosts files, or recorded it where the user allowed
 that (``--trust-new-hosts``, ``accept-new``), so OpenSSH checks the same key. Each node is probed
 with ``true`` first; a node the client cannot reach that way (no ``ssh`` binary, a key only
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import shlex
 import shutil
 from collections.abc import Iterable
 
@@ -45,11 +47,28 @@ LOST = 255  # what the ssh client exits with when the connection failed (or was 
 CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
-def client_argv(config: HostConfig, ssh_config: str | None) -> list[str]:
-    """The ``ssh`` command line (before the remote command) that reaches ``config`` as the pool does."""
-    argv = ["ssh"]
-    if ssh_config:
-        argv += ["-F", str(ssh_config)]
+def client_argv(config: HostConfig, ssh_config: str | None, jumps: tuple[HostConfig, ...] = ()) -> list[str]:
+    """The ``ssh`` command line (before the remote command) that reaches ``config`` as the pool does.
+
+    ``jumps``: ``config.proxy_jump``'s hops as the pool resolved them (``HostPool.jump_hosts``).
+    """
+    if len(jumps) != len(config.proxy_jump):
+        raise ValueError(f"{config.alias}: ProxyJump names {len(config.proxy_jump)} hop(s), {len(jumps)} given")
+    argv = ["ssh", *_config_file(ssh_config), *_options(config)]
+    if jumps:
+        # Not ProxyJump: for each hop OpenSSH starts `ssh -W` with only -F, -l, -p and -J, so
+        # BatchMode, StrictHostKeyChecking and UserKnownHostsFile would hold for the last host
+        # only. Each hop's ssh is spelled out here with the same options instead.
+        argv += ["-o", f"ProxyCommand={_proxy_command(jumps, config, ssh_config)}"]
+    return [*argv, "-T", "--", config.alias]
+
+
+def _config_file(ssh_config: str | None) -> list[str]:
+    return ["-F", str(ssh_config)] if ssh_config else []
+
+
+def _options(config: HostConfig) -> list[str]:
+    """The ``-o`` and ``-i`` arguments that make ``ssh`` reach ``config`` by dzctl's rules."""
     options = {
         "BatchMode": "yes",  # never a password or passphrase prompt in the middle of a transfer
         "StrictHostKeyChecking": "yes",  # the pool checked (or recorded) the key; never add one here
@@ -65,15 +84,29 @@ def client_argv(config: HostConfig, ssh_config: str | None) -> list[str]:
         "LogLevel": "ERROR",
         "Ciphers": CIPHERS,
     }
-    if config.proxy_jump:
-        options["ProxyJump"] = ",".join(config.proxy_jump)
     if config.connect_timeout:
         options["ConnectTimeout"] = str(int(config.connect_timeout))
+    argv = []
     for name, value in options.items():
         argv += ["-o", f"{name}={value}"]
     for key in config.identity_files:
         argv += ["-i", key]
-    return [*argv, "-T", "--", config.alias]
+    return argv
+
+
+def _proxy_command(jumps: tuple[HostConfig, ...], target: HostConfig, ssh_config: str | None) -> str:
+    """``ProxyCommand``'s value: an ``ssh -W`` to the last hop, which reaches it through the hops before.
+
+    The pool dials hops the same way: the first directly (its own config's ProxyJump is not
+    followed), each next one through the one before, and the target through the last.
+    """
+    *before, last = jumps
+    proxy = _proxy_command(tuple(before), last, ssh_config) if before else "none"
+    host = f"[{target.hostname}]" if ":" in target.hostname else target.hostname
+    argv = ["ssh", *_config_file(ssh_config), *_options(last), "-o", f"ProxyCommand={proxy}"]
+    argv += ["-W", f"{host}:{target.port}"]
+    # ssh expands %-tokens in ProxyCommand (once per level): every literal % is doubled.
+    return shlex.join([*argv, "--", last.alias]).replace("%", "%%")
 
 
 class OpenSSHLink(LocalConnection):
@@ -191,7 +224,7 @@ def stream_links(pool, hosts: Iterable[str], client: str = "auto") -> tuple[dict
             )
         notes.append("no OpenSSH client (`ssh`) here: the streams go through paramiko, which costs more CPU")
         return links, kinds, notes
-    candidates = {host: OpenSSHLink(host, client_argv(pool.resolve(host), pool.ssh_config_path)) for host in remote}
+    candidates = {host: OpenSSHLink(host, _argv_for(pool, host)) for host in remote}
     # Through the pool's fan-out, so each node's own connection is opened first: it checks the host
     # key by dzctl's rules and records it where the user allowed that, so OpenSSH, which may only
     # check, finds it. A node paramiko cannot reach either comes back as its error.
@@ -213,6 +246,11 @@ def stream_links(pool, hosts: Iterable[str], client: str = "auto") -> tuple[dict
         else:
             links[host], kinds[host] = candidates[host], "openssh"
     return links, kinds, notes
+
+
+def _argv_for(pool, host: str) -> list[str]:
+    config = pool.resolve(host)
+    return client_argv(config, pool.ssh_config_path, pool.jump_hosts(config))
 
 
 def _probe(link: OpenSSHLink) -> str:

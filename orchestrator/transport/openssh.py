@@ -26,6 +26,7 @@ the marker is the command's own result; one without it is the client's failure (
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import shlex
 import shutil
@@ -38,6 +39,7 @@ from .results import NO_EXIT_STATUS, Result
 from .sshconfig import HostConfig
 
 CLIENTS = ("auto", "openssh", "paramiko")
+CLIENT_ENV = "DZCTL_SSH_CLIENT"  # what `dzctl distribute --ssh-client` reads too, and `dzctl launch` honours
 PROBE_TIMEOUT = 30.0
 LOST = 255  # what the ssh client exits with when the connection failed (or was lost)
 # AES-GCM first: with the AES instructions of server CPUs it cost two thirds of the CPU of
@@ -45,6 +47,17 @@ LOST = 255  # what the ssh client exits with when the connection failed (or was 
 # benchmarks/ssh_streams.py). "^" only moves these to the front of the client's list, so a
 # server that refuses them still finds a common cipher.
 CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
+
+
+def client_from_env(environ=os.environ) -> str:
+    """The stream client ``DZCTL_SSH_CLIENT`` names (``auto`` when unset); InputError for another value."""
+    chosen = environ.get(CLIENT_ENV) or "auto"
+    if chosen not in CLIENTS:
+        raise InputError(
+            f"{CLIENT_ENV}={chosen!r} is not an SSH client dzctl knows",
+            fix=f"set {CLIENT_ENV} to one of {', '.join(CLIENTS)}, or unset it",
+        )
+    return chosen
 
 
 def client_argv(config: HostConfig, ssh_config: str | None, jumps: tuple[HostConfig, ...] = ()) -> list[str]:

@@ -17,13 +17,14 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
 import docker
 import pytest
 
-from orchestrator.image.distribute import _Pipe, codec_for, distribute_image, distribute_via_registry
+from orchestrator.image.distribute import codec_for, distribute_image, distribute_via_registry
 from orchestrator.image.layers import SkipHeldLayers, chain_ids, filter_tar, held_prefix, v1_ids
 from orchestrator.transport.pool import HostPool
 
@@ -40,24 +41,62 @@ def test_codecs_argv():
 
 
 def test_pipe_reads_what_was_put_then_eof():
-    pipe = _Pipe("n", depth=4)
-    assert pipe.put(b"abcdef", 1) and pipe.put(b"gh", 1) and pipe.put(None, 1)
+    from orchestrator.image.nodepipe import NodePipe
+
+    pipe = NodePipe("n", depth=4)
+    assert pipe.put(b"abcdef", 1) and pipe.put(b"gh", 1)
+    pipe.end()
     assert pipe.read(4) == b"abcd"
     assert pipe.read(100) == b"ef"
     assert pipe.read(100) == b"gh"
     assert pipe.read(100) == b""
-    assert pipe.sent == 8
+    assert pipe.sent == 8 and not pipe.stalled(60)
 
 
 def test_pipe_stalled_reader_times_out_and_dropped_pipe_ends():
-    pipe = _Pipe("n", depth=1)
+    from orchestrator.image.nodepipe import NodePipe
+
+    pipe = NodePipe("n", depth=1)
     assert pipe.put(b"x", 0.1)
     started = time.monotonic()
     assert not pipe.put(b"y", 0.3)  # nobody reads: the tee gives up on this node
     assert time.monotonic() - started >= 0.3
+    assert pipe.why_stalled == "took no data for 0.3 s"
     pipe.drop()
     assert not pipe.put(b"z", 5)  # a dropped node never blocks the tee
     assert pipe.read(10) == b""  # a dropped node's reader sees the end at once, never blocks
+
+
+def test_a_pipe_is_stalled_on_what_is_queued_and_after_its_last_byte():
+    from orchestrator.image.nodepipe import NodePipe
+
+    queued = NodePipe("n", depth=32)
+    assert queued.put(b"left for the node", 0.2)
+    queued.end()  # the tee has sent everything: no put will ever wait on this node again
+    time.sleep(0.3)
+    assert queued.stalled(0.2) and queued.why_stalled == "took no data for 0.2 s"
+    finished = NodePipe("n")
+    assert finished.put(b"x" * 1000, 0.2)
+    finished.end()
+    assert finished.read(-1) == b"x" * 1000 and finished.read(-1) == b""  # it took the last byte
+    time.sleep(0.3)
+    assert not finished.stalled(5)  # its command may take finish_bound(5, 1000) to end
+    assert finished.stalled(0.2)
+    assert finished.why_stalled == "took all 0.0 MB but did not finish within 0 s of the last byte"
+    waiting = NodePipe("n")
+    reader = threading.Thread(target=waiting.read)
+    reader.start()
+    time.sleep(0.3)
+    assert not waiting.stalled(0.2)  # it asks for data the tee has not got yet: not its fault
+    waiting.drop()
+    reader.join(5)
+
+
+def test_finish_bound_grows_with_what_the_node_was_sent():
+    from orchestrator.image.nodepipe import finish_bound
+
+    assert finish_bound(300, 0) == 300
+    assert finish_bound(300, 2_000_000_000) == 700  # a 2 GB image: 300 s + 1 s per 5 MB
 
 
 # -- real hosts -----------------------------------------------------------------------------------
@@ -360,3 +399,81 @@ def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_
     assert result.hosts["node0"].layers_held == 0  # the last attempt: whole
     assert result.hosts["node0"].bytes_sent > 100_000_000
     assert host_image_id(hosts, hosts.hosts[0], tag) == image_id
+
+
+# -- a node that stalls, at every stream size and after its last byte (issue 28) --------------------
+class LocalBytes:
+    """A stream of ``size`` bytes in 1 MiB chunks: what docker save's stream is to the tee."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.raw_bytes = size, 0
+
+    def chunks(self):
+        while self.raw_bytes < self.size:
+            chunk = b"\0" * min(1 << 20, self.size - self.raw_bytes)
+            self.raw_bytes += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        pass
+
+
+STALLS = {
+    # node0 takes one byte and stops reading: its rest lies in the pipe, ssh's buffers, the tee's queue
+    "reads one byte": "head -c 1 >/dev/null; sleep 1000",
+    # node0 takes every byte, then never ends: a `docker load` that hangs after the transfer
+    "hangs after the last byte": "cat >/dev/null; sleep 1000",
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("ssh_client", ["openssh", "paramiko"])
+@pytest.mark.parametrize(
+    ("size", "stall", "expected"),
+    [
+        # a code change's few KB: all of it fits in the pipes and buffers on the way
+        (4_000, "reads one byte", "took all 0.0 MB but did not finish within 1 s of the last byte"),
+        (20 << 20, "reads one byte", "took no data for 1 s"),  # less than the tee's queue holds
+        (40 << 20, "reads one byte", "took no data for 1 s"),  # more than it holds
+        (40 << 20, "hangs after the last byte", "took all 41.9 MB but did not finish within 9 s of the last byte"),
+    ],
+    ids=["4KB", "20MiB", "40MiB", "40MiB-after-last-byte"],
+)
+def test_a_node_that_stalls_is_cut_off_within_the_bound_whatever_the_size(cluster, ssh_client, size, stall, expected):
+    from orchestrator.image.distribute import Codec, Progress, _stream_to
+    from orchestrator.transport.openssh import stream_links
+
+    hosts = cluster(2)
+    names = [h.name for h in hosts.hosts]
+    # node0 stalls; node1 takes the stream and ends, as a healthy node's load does.
+    remote = f'if [ "$(hostname)" = node0 ]; then {STALLS[stall]}; else cat >/dev/null; fi'
+    codec = Codec("test", None, ("sh", "-c", remote))
+    outcomes: dict = {}
+    ended = threading.Event()
+    with HostPool(names, ssh_config=hosts.ssh_config) as pool:
+        links, carriers, _ = stream_links(pool, names, ssh_client)
+        assert set(carriers.values()) == {ssh_client}
+
+        def distribute() -> None:
+            _stream_to(codec, pool, names, Progress(), None, 1.0, outcomes, LocalBytes(size), links)
+            ended.set()
+
+        runner = threading.Thread(target=distribute, daemon=True)
+        started = time.monotonic()
+        runner.start()
+        # The documented bounds (image/nodepipe.py): no data taken for the stall bound (1 s here), or,
+        # after the last byte, the stall bound plus 1 s per 5 MB sent; and a second for the checks.
+        bound = 1.0 + size / 5e6 + 1.0
+        try:
+            assert ended.wait(bound + 20), f"still streaming {time.monotonic() - started:.0f} s later"
+            elapsed = time.monotonic() - started
+        finally:
+            for link in links.values():  # on failure: end what still runs, so the test process can exit
+                link.close()
+            for name in names:
+                with contextlib.suppress(Exception):
+                    pool.connection(name).close()
+    assert outcomes["node0"].status == "failed" and outcomes["node0"].detail == expected
+    assert elapsed < bound + 5, f"cut off after {elapsed:.1f} s, the bound is {bound:.1f} s"
+    assert outcomes["node1"].status == "loaded", outcomes["node1"].detail
+    assert outcomes["node1"].bytes_sent == size

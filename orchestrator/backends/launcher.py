@@ -32,6 +32,7 @@ from ..planning.memory.search import MemoryPlan
 from ..planning.resolve import ResolvedJob, resolve_job
 from ..spec.hostfile import Node
 from ..spec.job import LoadedJob
+from ..transport.openssh import client_from_env
 from ..transport.pool import HostPool
 from .jobfiles import JobFile, job_files, node_spec
 from .start import Phases, Started, probe_output_storage
@@ -212,6 +213,7 @@ def prepare(
     options = options or LaunchOptions()
     progress = progress or Silent()
     inputs = read_inputs(job)  # input errors here: no host touched, no job recorded
+    ssh_client = client_from_env()  # DZCTL_SSH_CLIENT, read before any host is touched
     job_id = job_id or new_job_id(job.spec.name)
     phases = Phases()
     started_at = time.monotonic()
@@ -220,7 +222,7 @@ def prepare(
     if job.spec.runtime == "docker" and options.distribute and only_the_image_missing(report):
         # The one failure launch repairs itself: ship the image, then check again.
         with phases.timed("distribute"):
-            _distribute(job, nodes, pool, progress)
+            _distribute(job, nodes, pool, progress, ssh_client)
         with phases.timed("preflight"):
             report = run_preflight(job, nodes, pool, inputs=inputs)
     progress.preflight(report, final=False)
@@ -300,11 +302,19 @@ def only_the_image_missing(report) -> bool:
     return failed == {"image"}
 
 
-def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, progress: Progress) -> None:
+def _distribute(job: LoadedJob, nodes: list[Node], pool: HostPool, progress: Progress, ssh_client: str) -> None:
     from ..image.distribute import distribute_image
 
     progress.note(f"distributing {job.spec.image} to the nodes that lack it")
-    result = distribute_image(job.spec.image, nodes, pool)
+    result = distribute_image(job.spec.image, nodes, pool, ssh_client=ssh_client)
+    for note in result.notes:
+        progress.note(note)
+    for outcome in result.hosts.values():
+        if outcome.ssh_client:  # a node that was sent the image: say how, as `dzctl distribute` does
+            progress.note(
+                f"{outcome.host}: image {outcome.status} through {outcome.ssh_client}"
+                f" ({outcome.bytes_sent / 1e6:,.1f} MB)"
+            )
     result.raise_on_failure()
 
 

@@ -22,8 +22,11 @@ could not fill it), nodes that hold nothing get the save stream and the store is
 (``plan_streams`` in ``layers.py`` decides, purely).
 
 A node that fails mid-transfer (connection lost, ``docker load`` error, a stalled reader) is
-dropped from the tee and reported failed; the others go on and finish intact. Every node's outcome
-is returned as data (``DistributeResult``); nothing is raised for a partial failure.
+dropped from the tee and reported failed; the others go on and finish intact. A stalled node is one
+that leaves data untaken for ``stall_timeout``, or does not finish in time after its last byte
+(``nodepipe.py``): its link is closed, at any stream size and in any phase, so no node can hang a
+run. Every node's outcome is returned as data (``DistributeResult``); nothing is raised for a
+partial failure.
 
 Each stream goes through the system's OpenSSH client where it reaches the node, else through the
 pool's paramiko connection (``transport/openssh.py``, ``ssh_client=``): it costs the controller less than
@@ -57,13 +60,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
 import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,12 +81,15 @@ from .layers import (
     plan_streams,
     tar_stream,
 )
+from .nodepipe import NodePipe
 from .store import LayerStore, StoredImage, open_store
 
 CHUNK = 1 << 20
 # How long one node may refuse to take data while the others wait on it. `docker load` pauses
 # between layers to write them out; minutes of silence means something is wrong with that node.
+# After the last byte its load gets longer to finish (nodepipe.finish_bound).
 DEFAULT_STALL_TIMEOUT = 300.0
+WATCH_INTERVAL = 0.5  # how often a stalled node is looked for once the tee has sent everything
 INSPECT_TIMEOUT = 60.0
 
 
@@ -204,52 +209,6 @@ class Progress:
 
 
 ProgressCallback = Callable[[Progress], None]
-
-
-class _Pipe:
-    """One node's end of the tee: a bounded queue the tee fills and that node's SSH writer drains.
-
-    It is the ``stdin`` file object handed to ``Connection.run``: ``read`` returns the next bytes,
-    or ``b""`` once the stream ended (or the node was dropped, so its ``docker load`` sees a
-    truncated stream and fails instead of loading half an image).
-    """
-
-    def __init__(self, host: str, depth: int = 32) -> None:
-        self.host = host
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
-        self._buffer = memoryview(b"")
-        self.sent = 0
-        self.dead = threading.Event()
-
-    def read(self, size: int = -1) -> bytes:
-        if not self._buffer:
-            if self.dead.is_set():
-                return b""
-            chunk = self._queue.get()
-            if chunk is None:
-                return b""
-            self._buffer = memoryview(chunk)
-        size = len(self._buffer) if size is None or size < 0 else size
-        out, self._buffer = self._buffer[:size], self._buffer[size:]
-        self.sent += len(out)
-        return bytes(out)
-
-    def put(self, chunk: bytes | None, stall_timeout: float) -> bool:
-        """Queue a chunk (None: end of stream); False if the node is gone or took nothing for too long."""
-        deadline = time.monotonic() + stall_timeout
-        while not self.dead.is_set():
-            try:
-                self._queue.put(chunk, timeout=0.5)
-                return True
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    return False
-        return False
-
-    def drop(self) -> None:
-        self.dead.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)  # wake a reader blocked on an empty queue
 
 
 class _Source:
@@ -593,8 +552,12 @@ def held_layers(pool, hosts: list[str], layers: list[str]) -> dict[str, int]:
 
 def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcomes, source, links):
     """Tee ``source``'s one stream to every host's load, through ``links[host]`` where there is one
-    (else the pool's connection); fill ``outcomes`` for ``hosts``; return bytes per host, wire, raw."""
-    pipes = {host: _Pipe(host) for host in hosts}
+    (else the pool's connection); fill ``outcomes`` for ``hosts``; return bytes per host, wire, raw.
+
+    A node that stalls (``nodepipe``) has its link closed, whenever that happens: while the tee
+    sends, after it has sent everything, or after the node took the last byte.
+    """
+    pipes = {host: NodePipe(host) for host in hosts}
     connections = {}
     for host in hosts:
         progress.state[host] = "sending"
@@ -614,14 +577,14 @@ def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcome
     wire = 0
     failure: BaseException | None = None
     with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="dzctl-load") as executor:
-        futures = [executor.submit(load, host) for host in hosts]
+        futures = {executor.submit(load, host): host for host in hosts}
         live = dict(pipes)
         try:
             for chunk in source.chunks():
                 wire += len(chunk)
                 for host, pipe in list(live.items()):
                     if not pipe.put(chunk, stall_timeout):
-                        _drop(host, pipe, live, connections, progress, stall_timeout)
+                        _drop(host, pipe, live, connections, progress)
                 if not live:
                     break  # every node failed: stop saving
                 _report(progress, pipes, source, wire, on_progress)
@@ -630,17 +593,25 @@ def _stream_to(codec, pool, hosts, progress, on_progress, stall_timeout, outcome
         finally:
             for pipe in live.values():
                 if failure is None:
-                    pipe.put(None, stall_timeout)
+                    pipe.end()
                 else:
                     pipe.drop()
             source.close()
+        # The tee is done; a node may still sit on what is queued for it, or hang after its last byte.
+        waiting = set(futures)
+        while waiting:
+            _, waiting = wait(waiting, timeout=WATCH_INTERVAL, return_when=FIRST_COMPLETED)
+            for future in waiting:
+                host = futures[future]
+                if host in live and live[host].stalled(stall_timeout):
+                    _drop(host, live[host], live, connections, progress)
         results = [future.result() for future in futures]
     for host, result, elapsed in results:
         outcome = outcomes[host] = HostOutcome(host, "loaded", "", None, pipes[host].sent, elapsed)
         if failure is not None:
             outcome.status, outcome.detail = "failed", f"the local image stream failed: {failure}"
-        elif progress.state.get(host) == "stalled":  # its link was closed for it: that is the cause
-            outcome.status, outcome.detail = "failed", f"took no data for {stall_timeout:g} s"
+        elif pipes[host].why_stalled:  # its link was closed for it: that is the cause
+            outcome.status, outcome.detail = "failed", pipes[host].why_stalled
         elif isinstance(result, BaseException) or result.exit_code == -1:
             # -1 is paramiko's status for a channel closed without an exit status. Either way, ask
             # the connection whether it still works, to tell a lost link from a failed command.
@@ -680,10 +651,10 @@ def _alive(conn) -> bool:
         return False
 
 
-def _drop(host, pipe, live, connections, progress, stall_timeout) -> None:
+def _drop(host, pipe, live, connections, progress) -> None:
     del live[host]
-    if not pipe.dead.is_set():
-        # It stopped reading without failing: close its connection so its writer thread wakes up.
+    if pipe.why_stalled:
+        # It stopped taking data (or finishing) without failing: close its link so its run ends.
         progress.state[host] = "stalled"
         conn = connections.get(host)
         if conn is not None:

@@ -131,6 +131,10 @@ class HostPool:
             ) from None
         return client, jumps
 
+    def jump_hosts(self, config: HostConfig) -> tuple[HostConfig, ...]:
+        """``config``'s ProxyJump hops, in order, each resolved as ``_dial`` dials it."""
+        return tuple(self._hop_config(hop) for hop in config.proxy_jump)
+
     def _hop_config(self, hop: str) -> HostConfig:
         """A ProxyJump hop (``[user@]host[:port]``), resolved through the same config, without its own jumps."""
         user, name, port = parse_jump(hop)

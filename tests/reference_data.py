@@ -57,4 +57,5 @@ if __name__ == "__main__":
     from orchestrator.train import entry, run
 
     run.load_dataset = _reference_load_dataset
-    sys.exit(entry.main(sys.argv[1:]))
+    # As `python -m orchestrator.train` ends: without finalization, which gloo's threads can abort.
+    entry.exit_rank(entry.main(sys.argv[1:]))

@@ -63,9 +63,12 @@ def _gone(pid: int, port: int) -> bool:
 
 HOLDER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
     from orchestrator.image.store import LayerStore
+
+    # As in a terminal: a test run under nohup (or a CI runner) would pass SIGHUP on ignored.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
     with LayerStore(Path(sys.argv[1])) as store:
         print(store.port, store.pid, flush=True)

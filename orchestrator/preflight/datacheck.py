@@ -31,10 +31,24 @@ PATHS_SCRIPT = (
     'else printf "unreadable\\t%s\\n" "$p"; fi; '
     'else printf "missing\\t%s\\n" "$p"; fi; done'
 )
+# Part of every node probe that may need the hub (this one, and preflight/loading/weights.py's):
+# whether the node reaches it, into out["hub"] or out["hub_error"].
+REACH_HUB = r"""
+def reach_hub(out):
+    import os, socket
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+        out["hub"] = host
+    except OSError as exc:
+        out["hub_error"] = f"{host}: {exc}"
+"""
 # The node's answer for hub IDs: where its cache has each, or whether the hub answers.
-HUB_PROBE = r"""
-import json, os, re, socket, sys
-from urllib.parse import urlparse
+HUB_PROBE = (
+    REACH_HUB
+    + r"""
+import json, os, re, sys
 home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
 cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")
 offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
@@ -45,14 +59,10 @@ for name in sys.argv[1:]:
     folder = os.path.join(cache, "___".join(parts[:-1] + [last]))
     out["found"][name] = folder if os.path.isdir(folder) and os.listdir(folder) else None
 if not offline and not all(out["found"].values()):
-    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
-    try:
-        socket.create_connection((host, 443), timeout=5).close()
-        out["hub"] = host
-    except OSError as exc:
-        out["hub_error"] = f"{host}: {exc}"
+    reach_hub(out)
 print(json.dumps(out))
 """
+)
 
 
 def node_side_sources(spec) -> list[tuple[str, str]]:

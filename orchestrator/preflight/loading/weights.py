@@ -26,13 +26,14 @@ import json
 from ...spec.job import JobSpec, parse_mount
 from ...transport.connection import Connection
 from .. import parsers as p
-from ..datacheck import host_path
+from ..datacheck import REACH_HUB, host_path
 from ..model import Check, fail, ok, warn
 
 # On the node, with the job's HF_* variables. argv: one JSON request. Prints one JSON line; never a traceback.
-PROBE = r"""
-import glob, json, os, socket, sys
-from urllib.parse import urlparse
+PROBE = (
+    REACH_HUB
+    + r"""
+import glob, json, os, sys
 req = json.loads(sys.argv[1])
 out = {}
 def readable(path):
@@ -86,14 +87,10 @@ else:
         st = os.statvfs(d)
         out["free_bytes"], out["writable"] = st.f_bavail * st.f_frsize, os.access(d, os.W_OK)
         if not out["offline"]:
-            host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
-            try:
-                socket.create_connection((host, 443), timeout=5).close()
-                out["hub"] = host
-            except OSError as exc:
-                out["hub_error"] = f"{host}: {exc}"
+            reach_hub(out)
 print("DZCTL_WEIGHTS " + json.dumps(out))
 """
+)
 MARK = "DZCTL_WEIGHTS "
 HUB_VARS = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
 BYTES_PER_PARAM = 2  # bf16 checkpoints, as most hub models ship

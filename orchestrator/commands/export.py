@@ -68,7 +68,8 @@ def export_command(job_ref, which, out, adapter, ssh_config, trust_new_hosts, as
         phase=lambda text: click.echo(text, err=True),
         gathered=ByteLines("gathered"),
         written=ByteLines("written"),
-        note=lambda text: None,
+        # The consolidation's own output (DeepSpeed's, transformers'): only with --debug.
+        note=(lambda text: click.echo(text, err=True)) if _debug() else (lambda text: None),
     )
     if is_slurm(record):
         # A Slurm job's output dir is shared storage the submit host sees: read in place.
@@ -88,6 +89,11 @@ def export_command(job_ref, which, out, adapter, ssh_config, trust_new_hosts, as
         f"{'PeftModel.from_pretrained' if plan.adapter else 'from_pretrained'}"
     )
     say(f"took {exported.seconds.get('total_s', 0):.1f} s; source: {exported.source}")
+
+
+def _debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.find_root().params.get("debug"))
 
 
 def register(group: click.Group) -> None:

@@ -37,9 +37,12 @@ def node_python(record: JobRecord) -> str:
     return "python3"
 
 
-def survey_nodes(record: JobRecord, pool: HostPool | None) -> list[NodeSurvey]:
-    """Every node's checkpoints (``pool`` None: a Slurm job, its output dir seen from here), in node order."""
-    nodes = record.plan["nodes"]
+def survey_nodes(record: JobRecord, pool: HostPool | None, *, first_only: bool = False) -> list[NodeSurvey]:
+    """Every node's checkpoints, in node order; ``first_only``: node 0's (shared storage: it sees them all).
+
+    ``pool`` None: a Slurm job, its shared output dir seen from here.
+    """
+    nodes = record.plan["nodes"][:1] if first_only else record.plan["nodes"]
     python = node_python(record)
 
     def one(conn, node: dict) -> NodeSurvey:

@@ -98,8 +98,9 @@ def export_checkpoint(
     seconds: dict[str, float] = {}
     started = time.monotonic()
     storage = "shared" if pool is None else storage_of(record)
-    progress.phase(f"asking {len(record.hosts)} node(s) which checkpoints of {record.job_id} they hold")
-    surveys = gather.survey_nodes(record, pool)
+    asked = 1 if storage == "shared" else len(record.hosts)
+    progress.phase(f"asking {asked} node(s) which checkpoints of {record.job_id} they hold ({storage} storage)")
+    surveys = gather.survey_nodes(record, pool, first_only=storage == "shared")
     chosen = choose(which, surveys, storage, record.job_id)
     plan = make_plan(chosen, surveys, job_id=record.job_id, spec=record.spec, adapter=adapter, storage=storage)
     convert.require_train_extra(plan.method)

@@ -21,7 +21,10 @@ that node (exit 2, nothing written to --out), and bad input gets its fix.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -169,10 +172,6 @@ def test_a_checkpoint_missing_on_one_node_is_refused_naming_that_node(runs, tmp_
         assert answer["exit_code"] == 2 and "Traceback" not in result.stderr
         assert not out.exists()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder left beside it
-        # latest: the newest checkpoint complete on every node.
-        result, answer = export(full, "--checkpoint", "latest", "--out", str(tmp_path / "fallback"))
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert answer["step"] == 2
     finally:
         aside.rename(marker)
 
@@ -204,3 +203,42 @@ def test_an_out_folder_that_is_not_empty_is_refused_before_any_node_is_asked(run
     assert f"--out {out} already exists and is not empty" in result.stderr
     assert answer["fix"] == f"name a new folder, or empty {out} first"
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_shared_storage_seen_here_is_read_in_place(runs, tmp_path):
+    """The full run's checkpoint-2 put together in one folder, as shared storage holds it, marked by the
+    trainer's own write_marker (every rank's shards in one folder), for a job recorded on localhost."""
+    from orchestrator.observe.store import JobStore
+    from orchestrator.train import checkpoints
+
+    full = runs["full"]
+    shared = tmp_path / "shared-output"
+    folder = shared / "checkpoint-2"
+    shutil.copytree(full.output_dir(0) / "checkpoint-2", folder)
+    for shard in (full.output_dir(1) / "checkpoint-2/global_step2").iterdir():
+        shutil.copy(shard, folder / "global_step2" / shard.name)
+    lineage = json.loads((folder / checkpoints.MARKER).read_text())["lineage"]
+    checkpoints.write_marker(folder, 2, 2, lineage=lineage)
+    home = tmp_path / "home"
+    job = "export-shared"
+    spec = {"train": {"method": "full", "precision": "fp32", "output_storage": "shared"}, "model": {}}
+    plan = {"nodes": [{"host": "localhost", "node_rank": 0, "output_dir": str(shared), "slots": 2}]}
+    with JobStore(home / "jobs.sqlite") as store:
+        store.add(job_id=f"{job}-1", name=job, runtime="process", image=None, hosts=["localhost"], spec=spec,
+                  plan=plan, ssh_config=None)  # fmt: skip
+    out = tmp_path / "in-place"
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "export", job, "--checkpoint", "2", "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "DZCTL_HOME": str(home)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout)
+    assert (answer["source"], answer["storage"], len(answer["nodes"])) == ("in-place", "shared", 1)
+    assert "gathered: " not in result.stderr and f"reading checkpoint-2 in place: {folder}" in result.stderr
+    import torch
+
+    trainers = tmp_path / "trainers-step2"
+    trainers.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, trainers / name)
+    assert torch.equal(logits(out), logits(trainers))

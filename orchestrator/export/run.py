@@ -120,6 +120,11 @@ def export_checkpoint(
         reading_in_place = storage == "shared" and in_place(plan, gather.local_sizes(plan))
         carriers: dict[str, str] = {}
         step_started = time.monotonic()
+        if pool is None and not reading_in_place:
+            raise InputError(
+                f"{plan.checkpoint} of Slurm job {record.job_id} is not readable here at {plan.nodes[0].folder}",
+                fix="run dzctl export on a machine that mounts the job's shared directory (the submit host)",
+            )
         if reading_in_place:
             source, checkpoint_dir = "in-place", Path(plan.nodes[0].folder)
             progress.phase(f"reading {plan.checkpoint} in place: {checkpoint_dir} (shared storage seen here)")

@@ -132,8 +132,12 @@ def test_a_lora_checkpoint_exports_merged_and_as_an_adapter_and_both_load(runs, 
     result, answer = export(lora, "--checkpoint", "1", "--out", str(merged))
     assert result.returncode == 0, result.stderr[-4000:]
     assert answer["method"] == "lora" and answer["adapter"] is False
-    result, answer = export(lora, "--checkpoint", "1", "--out", str(adapter), "--adapter")
+    # Without --json: the one line of the result on stdout, the progress on stderr.
+    result = lora.dzctl("export", lora.job, "--checkpoint", "1", "--out", str(adapter), "--adapter",
+                        "--ssh-config", str(lora.cluster.ssh_config))  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.startswith(f"exported checkpoint-1 of {answer['job_id']} (PEFT adapter, float32) to {adapter}")
+    assert "checked against the shards after loading with PeftModel.from_pretrained" in result.stdout
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
 
     def on_base(adapter_dir: Path):

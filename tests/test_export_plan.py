@@ -18,7 +18,16 @@ import pytest
 
 from orchestrator.errors import InputError
 from orchestrator.export.choose import NoSuchCheckpoint, choose, parse_which
-from orchestrator.export.plan import SHARD_BYTES, NodeFiles, in_place, lora_base, make_plan, parameters, ram_needed
+from orchestrator.export.plan import (
+    SHARD_BYTES,
+    NodeFiles,
+    in_place,
+    lora_base,
+    make_plan,
+    parameters,
+    ram_needed,
+    tar_bytes,
+)
 from orchestrator.export.survey import parse_survey, survey_argv
 from orchestrator.train import checkpoints
 
@@ -203,3 +212,15 @@ def test_ram_needed_grows_with_the_model_in_its_dtype(two_nodes):
     big = replace(full, nodes=(NodeFiles("a", 0, "/x", tuple(ranks[:8])), NodeFiles("b", 1, "/x", tuple(ranks[8:]))))
     assert big.nodes[0].nbytes == 432 * 10**9 and parameters(big) == 72 * 10**9
     assert ram_needed(big) == 149 * 10**9
+
+
+def test_the_progress_total_is_what_tar_really_sends(two_nodes):
+    n0, n1 = two_nodes
+    nodes = [survey(n0, 0), survey(n1, 1)]
+    plan = make_plan(choose(4, nodes, "node-local", "j"), nodes, job_id="j", spec=SPEC, adapter=False,
+                     storage="node-local")  # fmt: skip
+    for node in plan.nodes:
+        sent = subprocess.run(["tar", "-C", node.folder, "-cf", "-", "--", *[f for f, _ in node.files]],
+                              capture_output=True, check=True).stdout  # fmt: skip
+        assert tar_bytes(node.files) == len(sent)
+    assert plan.stream_bytes == sum(tar_bytes(n.files) for n in plan.nodes) > plan.nbytes

@@ -45,6 +45,17 @@ class NodeFiles:
         return sum(size for _, size in self.files)
 
 
+TAR_BLOCK = 512
+TAR_RECORD = 20 * TAR_BLOCK  # GNU tar's default blocking factor
+
+
+def tar_bytes(files: tuple[tuple[str, int], ...]) -> int:
+    """The size of ``tar -cf -`` of these files: a header block each, the data padded to blocks, two
+    end blocks, all padded to a whole record. What the stream's progress counts against."""
+    data = sum(TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK for _, size in files) + 2 * TAR_BLOCK
+    return -(-data // TAR_RECORD) * TAR_RECORD
+
+
 @dataclass(frozen=True)
 class ExportPlan:
     job_id: str
@@ -62,6 +73,11 @@ class ExportPlan:
     @property
     def nbytes(self) -> int:
         return sum(n.nbytes for n in self.nodes)
+
+    @property
+    def stream_bytes(self) -> int:
+        """What the nodes' tar streams carry in all: the files and tar's own framing."""
+        return sum(tar_bytes(n.files) for n in self.nodes)
 
     def to_dict(self) -> dict:
         return {

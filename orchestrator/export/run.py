@@ -135,10 +135,9 @@ def export_checkpoint(
 
             def on_bytes(n: int) -> None:
                 done[0] += n
-                progress.gathered(done[0], plan.nbytes)
+                progress.gathered(done[0], plan.stream_bytes)
 
             carriers = gather.fetch(plan, pool, checkpoint_dir, on_bytes)
-            progress.gathered(plan.nbytes, plan.nbytes)
         seconds["gather_s"] = round(time.monotonic() - step_started, 3)
         step_started = time.monotonic()
         weights = work / "weights"

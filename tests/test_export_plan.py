@@ -21,6 +21,7 @@ from orchestrator.export.choose import NoSuchCheckpoint, choose, parse_which
 from orchestrator.export.plan import (
     SHARD_BYTES,
     NodeFiles,
+    disk_needed,
     in_place,
     lora_base,
     make_plan,
@@ -212,6 +213,8 @@ def test_ram_needed_grows_with_the_model_in_its_dtype(two_nodes):
     big = replace(full, nodes=(NodeFiles("a", 0, "/x", tuple(ranks[:8])), NodeFiles("b", 1, "/x", tuple(ranks[8:]))))
     assert big.nodes[0].nbytes == 432 * 10**9 and parameters(big) == 72 * 10**9
     assert ram_needed(big) == 149 * 10**9
+    # Disk beside --out: the gathered 864 GB and the written 144 GB; read in place, only the model.
+    assert (disk_needed(big, False), disk_needed(big, True)) == (1008 * 10**9, 144 * 10**9)
 
 
 def test_the_progress_total_is_what_tar_really_sends(two_nodes):

@@ -200,3 +200,11 @@ def ram_needed(plan: ExportPlan) -> int:
     if plan.method == "lora" and not plan.adapter:
         return 2 * model + SHARD_BYTES
     return model + min(model, SHARD_BYTES)
+
+
+def disk_needed(plan: ExportPlan, reading_in_place: bool) -> int:
+    """Disk beside ``--out``: the gathered files (none when read in place) and the written model in its dtype."""
+    gathered = 0 if reading_in_place else plan.nbytes
+    trained = sum(size for n in plan.nodes for rel, size in n.files if rel.endswith("_optim_states.pt")) // 12
+    written = (trained if plan.adapter else parameters(plan)) * DTYPE_BYTES[plan.dtype]
+    return gathered + written

@@ -21,7 +21,7 @@ from ..observe.store import JobRecord
 from ..transport.pool import HostPool
 from . import convert, gather
 from .choose import choose
-from .plan import ExportPlan, in_place, make_plan, ram_needed
+from .plan import ExportPlan, disk_needed, in_place, make_plan, ram_needed
 
 
 @dataclass
@@ -90,6 +90,26 @@ def available_ram() -> int | None:
     return None
 
 
+def refuse_short_machine(plan: ExportPlan, folder: Path, reading_in_place: bool) -> None:
+    """Refuse before anything moves when this machine's free RAM or disk is short of what the export needs."""
+    needed, have = ram_needed(plan), available_ram()
+    if have is not None and needed > have:
+        held = "the PEFT model and the merged model" if plan.method == "lora" and not plan.adapter else "the model"
+        raise RuntimeFailure(
+            f"exporting {plan.checkpoint} needs about {needed / 2**30:.1f} GiB of RAM here ({held} in {plan.dtype} "
+            f"for the from_pretrained check, one shard being written), and {have / 2**30:.1f} GiB is free",
+            fix=f"run dzctl export on a machine with at least {needed / 2**30:.0f} GiB free (a node of the job "
+            "will do: install dzctl with the train extra there), or free memory here",
+        )
+    space, free = disk_needed(plan, reading_in_place), shutil.disk_usage(folder).free
+    if space > free:
+        raise RuntimeFailure(
+            f"exporting {plan.checkpoint} needs about {space / 2**30:.1f} GiB free in {folder} (the gathered shards "
+            f"and the written model), and {free / 2**30:.1f} GiB is free",
+            fix="free space there, or give --out on a larger disk",
+        )
+
+
 def export_checkpoint(
     record: JobRecord, pool: HostPool | None, which: int | str, out: Path, *, adapter: bool, progress: Progress
 ) -> Exported:
@@ -97,27 +117,21 @@ def export_checkpoint(
     check_out(out)
     seconds: dict[str, float] = {}
     started = time.monotonic()
+    # Before any node is asked: this Python must be able to consolidate at all.
+    convert.require_train_extra(record.spec.get("train", {}).get("method", "full"))
     storage = "shared" if pool is None else storage_of(record)
     asked = 1 if storage == "shared" else len(record.hosts)
     progress.phase(f"asking {asked} node(s) which checkpoints of {record.job_id} they hold ({storage} storage)")
     surveys = gather.survey_nodes(record, pool, first_only=storage == "shared")
     chosen = choose(which, surveys, storage, record.job_id)
     plan = make_plan(chosen, surveys, job_id=record.job_id, spec=record.spec, adapter=adapter, storage=storage)
-    convert.require_train_extra(plan.method)
-    needed, have = ram_needed(plan), available_ram()
-    if have is not None and needed > have:
-        raise RuntimeFailure(
-            f"exporting {plan.checkpoint} needs about {needed / 2**30:.1f} GiB of RAM here (the model in "
-            f"{plan.dtype} for the from_pretrained check, one shard being written), and {have / 2**30:.1f} GiB is free",
-            fix=f"run dzctl export on a machine with at least {needed / 2**30:.0f} GiB free (a node of the job "
-            "will do: install dzctl with the train extra there), or free memory here",
-        )
+    reading_in_place = storage == "shared" and in_place(plan, gather.local_sizes(plan))
+    refuse_short_machine(plan, out.parent, reading_in_place)
     seconds["survey_s"] = round(time.monotonic() - started, 3)
     work = out.parent / f".{out.name}.dzctl-export-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     try:
         work.mkdir(parents=True)
-        reading_in_place = storage == "shared" and in_place(plan, gather.local_sizes(plan))
         carriers: dict[str, str] = {}
         step_started = time.monotonic()
         if pool is None and not reading_in_place:

@@ -227,3 +227,23 @@ def test_the_progress_total_is_what_tar_really_sends(two_nodes):
                               capture_output=True, check=True).stdout  # fmt: skip
         assert tar_bytes(node.files) == len(sent)
     assert plan.stream_bytes == sum(tar_bytes(n.files) for n in plan.nodes) > plan.nbytes
+
+
+def test_a_node_without_the_python_to_answer_is_named_with_the_fix(tmp_path):
+    """The survey's side effect, through the real local transport (localhost needs no SSH)."""
+    from orchestrator.errors import RemoteError
+    from orchestrator.export.gather import survey_nodes
+    from orchestrator.observe.store import JobRecord
+    from orchestrator.transport.pool import HostPool
+
+    nodes = [{"host": "localhost", "node_rank": 0, "output_dir": str(tmp_path)}]
+    record = JobRecord("j-1", "j", "running", "process", None, ["localhost"], {"launch": {"python": "/no/python3"}},
+                       {"nodes": nodes}, None, 0.0, None, None)  # fmt: skip
+    with HostPool(["localhost"]) as pool, pytest.raises(RemoteError) as refused:
+        survey_nodes(record, pool)
+    assert "node 0 (localhost): no /no/python3 there to list" in refused.value.message
+    assert refused.value.fix.startswith("install Python 3 on the node")
+    good = replace(record, spec={"launch": {"python": sys.executable}})
+    node_checkpoint(tmp_path, 3, [0], 1)
+    with HostPool(["localhost"]) as pool:
+        assert sorted(survey_nodes(good, pool)[0].checkpoints) == [3]

@@ -28,6 +28,7 @@ from .plan import ExportPlan, NodeFiles
 from .survey import NodeSurvey, parse_survey, survey_argv
 
 SURVEY_TIMEOUT_S = 120
+COMMAND_NOT_FOUND = 127  # what a shell (and transport.local) answers for a missing program
 
 
 def node_python(record: JobRecord) -> str:
@@ -47,6 +48,12 @@ def survey_nodes(record: JobRecord, pool: HostPool | None, *, first_only: bool =
 
     def one(conn, node: dict) -> NodeSurvey:
         result = conn.run(survey_argv(python, node["output_dir"]), timeout=SURVEY_TIMEOUT_S)
+        if result.exit_code == COMMAND_NOT_FOUND:
+            raise RemoteError(
+                f"node {node['node_rank']} ({conn.host}): no {python} there to list {node['output_dir']}",
+                fix="install Python 3 on the node (apt-get install python3-minimal); with runtime: process, "
+                "launch.python names the one used",
+            )
         if result.exit_code != 0:
             tail = (result.stderr.strip() or result.stdout.strip() or result.how_it_ended).splitlines()[-1]
             raise RemoteError(f"node {node['node_rank']} ({conn.host}): listing {node['output_dir']} failed: {tail}")
@@ -62,9 +69,11 @@ def survey_nodes(record: JobRecord, pool: HostPool | None, *, first_only: bool =
     failed = outcomes.failed
     if failed:
         details = "; ".join(str(exc) for exc in failed.values())
+        fixes = {exc.fix for exc in failed.values() if isinstance(exc, RemoteError) and exc.fix}
         raise RemoteError(
             f"could not ask {len(failed)} node(s) about their checkpoints: {details}",
-            fix="bring the node(s) back (`dzctl status JOB` says which are unreachable), then export again",
+            fix="; ".join(sorted(fixes))
+            or "bring the node(s) back (`dzctl status JOB` says which are unreachable), then export again",
         )
     return [outcomes[n["host"]] for n in nodes]
 

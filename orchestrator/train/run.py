@@ -288,7 +288,13 @@ class DzTrainer(Trainer):
         if self.lora_base_name is None:
             return super().save_model(output_dir, _internal_call)
         # LoRA: gather and write the adapter only, never the whole base (see lora.py).
-        lora.save_adapter(self.model, Path(output_dir or self.args.output_dir), self.lora_base_name)
+        folder = Path(output_dir or self.args.output_dir)
+        lora.save_adapter(self.model, folder, self.lora_base_name)
+        if _internal_call and self.args.should_save:
+            # A checkpoint: the base's config and the tokenizer beside the adapter, as the HF Trainer
+            # writes them for full fine-tuning, so `dzctl export` can rebuild the model from its shards.
+            self.model.get_base_model().config.save_pretrained(str(folder))
+            self.processing_class.save_pretrained(str(folder))
 
     def training_step(self, model, inputs, *args, **kwargs):
         real, processed, examples = batch_tokens(inputs)

@@ -108,6 +108,13 @@ class EvalDataSpec(_Strict):
         return self
 
 
+def _no_bool(value: Any) -> Any:
+    # pydantic would read true as the row count 1.
+    if isinstance(value, bool):
+        raise ValueError("must be a fraction between 0 and 1 or a row count, not true/false")
+    return value
+
+
 def _check_eval_split(value: float | int | None) -> float | int | None:
     # A fraction of the rows, or a count of them: 1.0 would be every row, 0 none.
     if isinstance(value, float) and not 0 < value < 1:
@@ -130,7 +137,7 @@ class DataSpec(_Strict):
     cache_dir: str | None = None
     # Evaluation (orchestrator/train/data/holdout.py): rows of the training data held out (a
     # fraction, or a count), or data of its own (data.eval). Not both.
-    eval_split: Annotated[Union[int, float, None], AfterValidator(_check_eval_split)] = None  # noqa: UP007
+    eval_split: Annotated[int | float | None, BeforeValidator(_no_bool), AfterValidator(_check_eval_split)] = None
     eval: EvalDataSpec | None = None
 
     @model_validator(mode="after")

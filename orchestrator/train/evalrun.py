@@ -103,7 +103,9 @@ class EvalRunner(TrainerCallback):
         if verdict is not None and verdict.new_best and self.save_best and self.save:
             self.pending_best = checkpoints.Best(step, loss, self.lineage)
             control.should_save = True  # the best step's weights, resumable and exportable
-            extra["best_checkpoint"] = str(self.output_dir / self.pending_best.checkpoint)
+        kept = self.pending_best or self.best
+        if kept is not None:  # the checkpoint train.save_best keeps (this step's is being written)
+            extra["best_checkpoint"] = str(self.output_dir / kept.checkpoint)
         if verdict is not None and verdict.stop and step < state.max_steps:
             self.stopped_early_at = step
             control.should_training_stop = True

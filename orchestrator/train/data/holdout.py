@@ -9,7 +9,7 @@ order of the file, and a row that the data holds twice (the same conversation) i
 in one copy and evaluated on in the other. A row that yields no example (skipped, or cut away by
 ``max_seq_len``) is in neither side.
 
-Cost: 8 bytes a example in memory (its key), one hash of its text, and a linear-time selection.
+Cost: 8 bytes an example in memory (its key), one hash of its text, and a linear-time selection.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ stopping (patience 3) the run must:
   ``dzctl-best.json``;
 - log ``grad_norm`` on every step, with ``train.max_grad_norm`` in the ds_config and the
   Trainer agreeing on it (HF refuses a mismatch).
+
+(A relaunch of the stopped run finding it finished is held by the record it leaves,
+``dzctl-finished.json`` with ``stopped_early``, here, and by tests/test_eval.py's
+``finished_run`` test: a second run here would cost CI half a minute.)
 """
 
 from __future__ import annotations
@@ -40,24 +44,24 @@ SEED = 42  # jobs/tiny-cpu.yaml's train.seed (the default)
 HELD = 8
 PATIENCE = 3
 MAX_STEPS = 60
+SETS = (
+    f"train.max_steps={MAX_STEPS}",
+    "train.learning_rate=1.0e-2",
+    "train.packing=true",
+    f"data.eval_split={HELD}",
+    "train.eval_steps=5",
+    "train.save_steps=5",
+    "train.save_total_limit=1",
+    "train.save_best=true",
+    f"train.early_stopping={{patience: {PATIENCE}}}",
+    "train.max_grad_norm=0.5",
+)
 
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("eval") / "out"
-    result = train(
-        output,
-        f"train.max_steps={MAX_STEPS}",
-        "train.learning_rate=1.0e-2",
-        "train.packing=true",
-        f"data.eval_split={HELD}",
-        "train.eval_steps=5",
-        "train.save_steps=5",
-        "train.save_total_limit=1",
-        "train.save_best=true",
-        f"train.early_stopping={{patience: {PATIENCE}}}",
-        "train.max_grad_norm=0.5",
-    )
+    result = train(output, *SETS)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return output, read_events(output / "progress.jsonl"), result.stdout
 

@@ -309,3 +309,39 @@ def test_the_plot_series_hold_the_eval_loss_and_the_gradient_norm():
     series = plot_series([STEP, {**STEP, "step": 21, "grad_norm": 0.5}, EVAL])
     assert series["eval loss"] == ([20], [2.71828])
     assert series["grad norm"] == ([20, 21], [0.8772, 0.5])
+
+
+# --- data.eval: a cache of its own, built and waited for like the training data's ----------------
+
+
+def test_data_eval_is_its_own_cache_and_the_nodes_other_ranks_wait_for_the_right_one(tmp_path, monkeypatch):
+    from orchestrator.train.data import prepare
+
+    monkeypatch.setenv("DZCTL_JOB_ID", f"eval-{tmp_path.name}")  # this test's own launch token
+    train_rows = tmp_path / "train.jsonl"
+    _alpaca_rows(train_rows, [{"instruction": f"t{i}", "input": "", "output": f"train {i}"} for i in range(20)])
+    held_rows = tmp_path / "held.jsonl"
+    _alpaca_rows(held_rows, [{"instruction": f"e{i}", "input": "", "output": f"eval {i}"} for i in range(5)])
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        JOB.read_text(encoding="utf-8").replace("data/tiny-alpaca-zh.jsonl", "train.jsonl"), encoding="utf-8"
+    )
+    loaded = load_job(job, ["data.eval.path=held.jsonl", "train.eval_steps=2"])
+    tokenizer = load_tokenizer("builtin:byte-level", "tiny")
+    cache = tmp_path / "cache"
+
+    def ready(source_set: str, local_rank: int = 0):
+        return prepare.prepare(
+            loaded, tokenizer, packing=True, local_rank=local_rank, cache_dir=cache, say=lambda _: None,
+            source_set=source_set,
+        )  # fmt: skip
+
+    built_train, built_eval = ready("train"), ready("eval")
+    assert built_train.key != built_eval.key
+    assert (built_train.data.examples, built_eval.data.examples) == (20, 5)
+    assert not (built_train.folder / "eval_examples.bin").exists()  # nothing held out of the training data
+    # A waiting rank of this launch maps what its builder said for each set, not the other's.
+    assert ready("train", local_rank=1).key == built_train.key
+    assert ready("eval", local_rank=1).key == built_eval.key
+    decoded = tokenizer.decode(built_eval.data.item(0)["input_ids"])
+    assert "eval " in decoded and "train " not in decoded

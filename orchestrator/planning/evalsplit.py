@@ -3,6 +3,8 @@
 A count is taken as given; a fraction ``f`` of ``n`` rows holds out ``ceil(f * n)`` of them, the
 rule of Hugging Face datasets' ``train_test_split`` (``test_size`` as a float), which is what
 LLaMA-Factory's ``val_size`` goes through: a fraction above 0 always holds out at least one row.
+One difference, on purpose: the product is rounded up without floating point's excess (0.1 of 30
+rows is 3 rows here; ``ceil(0.1 * 30)`` is 4 in Python, as ``0.1 * 30`` is 3.0000000000000004).
 Both the controller (on the rows of a shipped file, before any host is touched) and the data
 builder on the nodes (on the examples it encoded) ask the same question here.
 """

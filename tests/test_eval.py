@@ -170,6 +170,7 @@ def _dry_run(tmp_path, job, *sets: str):
         (("data.eval_split=1.0",), "data.eval_split", "must be a fraction between 0 and 1"),
         (("data.eval_split=true",), "data.eval_split", "not true/false"),
         (("data.eval_split=4", "data.eval.path=x.jsonl"), "data", "not both"),
+        (("data.eval.max_rows=3",), "data.eval", "data.eval.path is missing"),
     ],
 )
 def test_bad_eval_input_exits_2_before_any_host(tmp_path, sets, key, says):

@@ -102,7 +102,11 @@ class EvalDataSpec(_Strict):
     @model_validator(mode="after")
     def _one_form(self) -> EvalDataSpec:
         if (self.path is None) == (self.sources is None):
-            raise ValueError("give data.eval.path (one data set) or data.eval.sources (a list of them), not both")
+            raise ValueError(
+                "give data.eval.path (one data set) or data.eval.sources (a list of them), not both"
+                if self.path
+                else "data.eval.path is missing: give data.eval.path (one data set) or data.eval.sources"
+            )
         if SYNTHETIC_DATA in (self.path, *(s.path for s in self.sources or ())):
             raise ValueError("synthetic:random has nothing to evaluate on: give a data file")
         return self

@@ -31,8 +31,8 @@ from orchestrator.train.data.build import BuildSettings, build
 from orchestrator.train.data.mapped import MappedData
 from orchestrator.train.data.sources import resolve_sources
 from orchestrator.train.data.tokenizer import load_tokenizer
-from orchestrator.train.evalpolicy import EvalHistory, stop_step
-from orchestrator.train.evaluation import eval_batches
+from orchestrator.train.evaluation.loss import eval_batches
+from orchestrator.train.evaluation.policy import EvalHistory, stop_step
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 JOB = ROOT / "jobs" / "tiny-cpu.yaml"

@@ -10,7 +10,7 @@ stopping (patience 3) the run must:
   each row's conversation, seeded with ``train.seed``: the 8 smallest keys);
 - report an eval loss equal, to 1e-5, to a per-token loss computed here directly, one
   unpacked row at a time, with the weights the run ended with;
-- stop at the step the pure rule (``evalpolicy.stop_step``) gives for its own eval curve,
+- stop at the step the pure rule (``evaluation.policy.stop_step``) gives for its own eval curve,
   as a success that says so;
 - keep the best checkpoint through rotation (``save_total_limit: 1``) and name it in
   ``dzctl-best.json``;
@@ -35,7 +35,7 @@ from orchestrator.planning.datarows import to_messages
 from orchestrator.train import checkpoints
 from orchestrator.train.data.cache import MANIFEST
 from orchestrator.train.data.mapped import MappedData
-from orchestrator.train.evalpolicy import stop_step
+from orchestrator.train.evaluation.policy import stop_step
 from orchestrator.train.progress import read_events
 
 pytestmark = pytest.mark.slow

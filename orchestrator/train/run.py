@@ -9,7 +9,7 @@ loading a 72B model once per rank never happens.
 Outputs in ``output_dir``: ``checkpoint-<step>/`` (ZeRO shards, resumable, every
 ``train.save_steps`` and at the end), ``model/`` (the consolidated Hugging Face
 model in safetensors, plus the tokenizer, at the end) and ``progress.jsonl``; with
-eval data, ``eval`` events and (``train.save_best``) ``dzctl-best.json`` (see evalrun.py).
+eval data, ``eval`` events and (``train.save_best``) ``dzctl-best.json`` (see evaluation/runner.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .data import conversations
 from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
 from .datasets import data_summary, load_dataset  # noqa: F401 (data_summary: the data lines, for tests)
-from .evalrun import EvalRunner, forward_kwargs
+from .evaluation.runner import EvalRunner, forward_kwargs
 from .model import attention, checkpointing, lora, loss
 from .progress import ProgressLog, finite
 
@@ -278,7 +278,7 @@ class DzTrainer(Trainer):
     lora_base_name: str | None = None  # set for train.method: lora (the adapter's base model)
     lineage: str = ""  # this run's line of checkpoints (see checkpoints.py), set before training
     marks_folders = False  # this rank marks (and clears) the checkpoint folders of its disk
-    eval_runner: EvalRunner | None = None  # with eval data: dzctl's per-token eval (evalrun.py)
+    eval_runner: EvalRunner | None = None  # with eval data: dzctl's per-token eval (evaluation/runner.py)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         if self.eval_runner is None:

@@ -178,7 +178,7 @@ def gather_head_weight_with(model) -> None:
 def _chunked_forward(self, *args, labels=None, **kwargs):
     """The causal-LM forward with the chunked loss in place of logits + cross-entropy, whenever labels are given.
 
-    In training, and in dzctl's own eval (``train/evaluation.py``, eval mode, no gradients),
+    In training, and in dzctl's own eval (``train/evaluation/loss.py``, eval mode, no gradients),
     which computes the same loss the same way; a forward without labels (generation) is the plain one.
 
     Written against the shape every model in ``FUSED_MODEL_TYPES`` shares

@@ -8,7 +8,7 @@
   ``eval_tokens``, ``eval_rows``, ``best_eval_loss``, ``best_step``), and
   ``eval_loss``/``eval_tokens`` through ``Trainer.log``, where the trackers
   (``report_to``) take the training loss too.
-- **What it decides** (``evalpolicy.EvalHistory``): ``train.early_stopping`` ends the run
+- **What it decides** (``policy.EvalHistory``): ``train.early_stopping`` ends the run
   at the eval whose patience is used up, with its checkpoint written (a normal end,
   ``stopped_early`` in the ``end`` event); ``train.save_best`` has a checkpoint written at
   every new best, named in ``dzctl-best.json`` once it is complete on every node, and kept
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from . import checkpoints
-from .evalpolicy import EvalHistory
-from .evaluation import eval_loss
-from .progress import ProgressLog, finite
+from .. import checkpoints
+from ..progress import ProgressLog, finite
+from .loss import eval_loss
+from .policy import EvalHistory
 
 
 def forward_kwargs(model, fused_loss: str) -> dict[str, Any]:

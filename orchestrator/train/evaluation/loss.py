@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .data.conversations import IGNORE
+from ..data.conversations import IGNORE
 
 
 def eval_batches(rows: int, rank: int, world_size: int, micro: int) -> list[list[int] | None]:

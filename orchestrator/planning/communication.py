@@ -1,0 +1,216 @@
+"""What ZeRO-3 sends per micro-step, and how long that takes over the links (pure: numbers in, numbers out).
+
+Per micro-step every GPU takes part in (ZeRO paper §7; DeepSpeed's partitioned-parameter
+coordinator):
+
+* the parameter all-gather in the forward, over all W GPUs;
+* the same all-gather again in the backward (the gathered weights were freed after the
+  forward) — with hpZ (``zero_hpz_partition_size`` = G, the GPUs of one node) only
+  within the node, from the secondary copy each node keeps (ZeRO++ paper §3.2);
+* the gradient reduce-scatter over all W GPUs.
+
+Gradient accumulation amortises none of it: each micro-step gathers and reduces again.
+
+For a ring (NCCL runs all-gather and reduce-scatter as rings), each of a collective's
+``S`` bytes crosses every edge ``(W−1)/W`` times over, whatever the node count; a node's
+link to the others is one such edge (summed over NCCL's channels), so a global collective
+takes ``(W−1)/W · S / B_inter`` and one confined to a node ``(G−1)/G · S / B_intra``.
+
+Each collective also costs a fixed latency. Where the collective check measured none,
+NCCL's own ring model is used (``nccl_ring_latency_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+# NCCL's ring latency model for all-gather and reduce-scatter, Simple protocol (the one
+# large buckets use): src/graph/tuning.cc, ncclTopoTuneModel: latency = baseLat +
+# (nRanks − nNodes) · intraLat + (nNodes − 1) · interLat, with baseLat (Ring, Simple)
+# 8.4 µs, hwLat NVLink (Ring, Simple) 3.4 µs and NET (Ring, Simple) 9.6 µs.
+NCCL_RING_BASE_LATENCY_S = 8.4e-6
+NCCL_RING_NVLINK_STEP_S = 3.4e-6
+NCCL_RING_NET_STEP_S = 9.6e-6
+
+# The share of a network link's rated speed that NCCL's collectives reach; the issue's
+# estimate takes 0.8 (nccl-tests' bus bandwidth on InfiniBand/RoCE is typically 80–95 % of
+# line rate). Only for rated figures (--link-gbps); measured bandwidths are used as they are.
+RATED_LINK_EFFICIENCY = 0.8
+
+
+def nccl_ring_latency_s(world: int, nodes: int, *, intra_step_s: float = NCCL_RING_NVLINK_STEP_S) -> float:
+    """Fixed time of one ring all-gather or reduce-scatter over ``world`` ranks on ``nodes`` nodes."""
+    if world <= 1:
+        return 0.0
+    return NCCL_RING_BASE_LATENCY_S + (world - nodes) * intra_step_s + (nodes - 1) * NCCL_RING_NET_STEP_S
+
+
+@dataclass(frozen=True)
+class Links:
+    """The bandwidths and latencies collectives see, in bytes/s and seconds (effective, not rated).
+
+    ``inter_bytes_per_s``: one node's link to the others (all its NICs), ``None`` when not
+    known (then nothing about a multi-node job's communication can be predicted).
+    ``intra_bytes_per_s``: the bus bandwidth of a collective within one node (NVLink).
+    Latencies ``None``: NCCL's ring model (``nccl_ring_latency_s``).
+    """
+
+    inter_bytes_per_s: float | None
+    intra_bytes_per_s: float
+    source: str  # what the figures are: "--link-gbps 200", "measured by the collective check", ...
+    inter_latency_s: float | None = None
+    intra_latency_s: float | None = None
+
+    def latency_s(self, world: int, nodes: int) -> float:
+        if world <= 1:
+            return 0.0
+        if nodes > 1 and self.inter_latency_s is not None:
+            return self.inter_latency_s
+        if nodes == 1 and self.intra_latency_s is not None:
+            return self.intra_latency_s
+        return nccl_ring_latency_s(world, nodes)
+
+    @classmethod
+    def rated(cls, inter_gbit_s: float | None, intra_bytes_per_s: float, source: str) -> Links:
+        """From a NIC's rated speed in Gbit/s per node (``--link-gbps``), at ``RATED_LINK_EFFICIENCY``."""
+        inter = None if inter_gbit_s is None else inter_gbit_s * 1e9 / 8 * RATED_LINK_EFFICIENCY
+        return cls(inter_bytes_per_s=inter, intra_bytes_per_s=intra_bytes_per_s, source=source)
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The ZeRO-3 settings that decide the traffic: hpZ, bucket and prefetch sizes (elements)."""
+
+    reduce_bucket: int
+    prefetch_bucket: int
+    persistence_threshold: int
+    hpz_partition_size: int = 1  # 1: off; G: a secondary copy of the weights within each node of G GPUs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the job's GPUs are: ``gpus_per_node`` on each of ``nodes`` nodes."""
+
+    gpus_per_node: int
+    nodes: int
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a micro-step: how many calls, how many bytes in all, over which link."""
+
+    name: str
+    calls: int
+    total_bytes: float  # the whole tensor(s) gathered or reduced, summed over the calls
+    scope: str  # "global" (all W GPUs) or "node" (the G GPUs of one node)
+
+
+@dataclass(frozen=True)
+class CommTime:
+    """Time of one micro-step's collectives if nothing else ran: bandwidth part and latency part."""
+
+    collectives: tuple[Collective, ...]
+    bandwidth_s: float
+    latency_s: float
+    inter_bytes: float  # bytes over each node's inter-node link per micro-step
+    intra_bytes: float  # bytes over each GPU's intra-node link from node-confined collectives
+    first_gather_s: float  # the forward's first all-gather: nothing runs before it to hide it
+    last_reduce_s: float  # the last reduce-scatter: it runs after the backward's last layer
+
+    @property
+    def total_s(self) -> float:
+        return self.bandwidth_s + self.latency_s
+
+    @property
+    def calls(self) -> int:
+        return sum(c.calls for c in self.collectives)
+
+
+def bucket_calls(numels: Iterable[int], bucket: int) -> int:
+    """Calls when tensors are sent in model order, a call closing once it holds ``bucket`` elements.
+
+    DeepSpeed's prefetcher pops parameters off its trace until it has ``stage3_prefetch_bucket_size``
+    elements in flight and gathers them in one coalesced call; the gradient bucket is reduced
+    once it holds ``reduce_bucket_size``. A tensor larger than the bucket is a call of its own.
+    """
+    calls, held = 0, 0
+    for numel in numels:
+        held += numel
+        if held >= bucket:
+            calls, held = calls + 1, 0
+    return calls + (1 if held else 0)
+
+
+def micro_step_collectives(
+    weight_numels: Sequence[int],
+    grad_numels: Sequence[int],
+    *,
+    zero: ZeroSettings,
+    layout: Layout,
+    param_bytes: int,
+    grad_bytes: int,
+) -> tuple[Collective, ...]:
+    """The all-gathers and reduce-scatters of one micro-step (LoRA: ``grad_numels`` are the adapters')."""
+    gathered = [n for n in weight_numels if n > zero.persistence_threshold]  # small ones persist, whole
+    gather_bytes = float(param_bytes * sum(gathered))
+    gather_calls = bucket_calls(gathered, max(1, zero.prefetch_bucket))
+    hpz = zero.hpz_partition_size > 1 and layout.nodes > 1
+    return (
+        Collective("forward all-gather", gather_calls, gather_bytes, "global"),
+        Collective("backward all-gather", gather_calls, gather_bytes, "node" if hpz else "global"),
+        Collective(
+            "gradient reduce-scatter",
+            bucket_calls(grad_numels, max(1, zero.reduce_bucket)),
+            float(grad_bytes * sum(grad_numels)),
+            "global",
+        ),
+    )
+
+
+def comm_time(collectives: Sequence[Collective], *, layout: Layout, links: Links) -> CommTime:
+    """How long the collectives take on these links, one after the other, nothing overlapped."""
+    world, g, nodes = layout.world, layout.gpus_per_node, layout.nodes
+    bandwidth = latency = inter_bytes = intra_bytes = 0.0
+    first_gather = last_reduce = 0.0
+    for c in collectives:
+        if c.scope == "global" and nodes > 1:
+            if links.inter_bytes_per_s is None:
+                raise ValueError("the inter-node bandwidth is needed for a multi-node job")
+            share = (world - 1) / world * c.total_bytes
+            seconds = share / min(links.inter_bytes_per_s, links.intra_bytes_per_s)
+            inter_bytes += share
+            lat = links.latency_s(world, nodes)
+        else:
+            ranks = world if c.scope == "global" else g
+            share = (ranks - 1) / ranks * c.total_bytes if ranks > 1 else 0.0
+            seconds = share / links.intra_bytes_per_s
+            intra_bytes += share
+            lat = links.latency_s(ranks, 1) if ranks > 1 else 0.0
+        bandwidth += seconds
+        latency += c.calls * lat
+        one_call = (seconds / c.calls if c.calls else 0.0) + lat
+        if c.name == "forward all-gather":
+            first_gather = one_call
+        if c.name == "gradient reduce-scatter":
+            last_reduce = one_call
+    return CommTime(
+        collectives=tuple(collectives),
+        bandwidth_s=bandwidth,
+        latency_s=latency,
+        inter_bytes=inter_bytes,
+        intra_bytes=intra_bytes,
+        first_gather_s=first_gather,
+        last_reduce_s=last_reduce,
+    )
+
+
+def hpz_secondary_bytes(weight_numels: Sequence[int], *, persistence_threshold: int, gpus_per_node: int, p: int) -> int:
+    """GPU memory of hpZ's secondary copy per GPU: the gathered weights in the model dtype over the node's GPUs."""
+    gathered = sum(n for n in weight_numels if n > persistence_threshold)
+    return math.ceil(p * gathered / gpus_per_node)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import click
 
 from ..errors import InputError
-from ..planning.communication import Links
 from ..planning.memory.fromjob import SpeedInputs
 from ..planning.memory.search import MemoryPlan
-from ..planning.steptime import GPU_KINDS
-from ..planning.steptime import gpu_kind as lookup_gpu_kind
+from ..planning.speed.communication import Links
+from ..planning.speed.steptime import GPU_KINDS
+from ..planning.speed.steptime import gpu_kind as lookup_gpu_kind
 
 
 def speed_options(func):

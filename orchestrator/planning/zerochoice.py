@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
 from .memory.estimate import Buckets, LoraShape, estimate
 from .memory.search import MemoryPlan, fits_hardware, host_per_node
 from .shape import ModelShape
-from .steptime import GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
+from .speed.communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
+from .speed.steptime import GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
 
 # Bucket sizes tried on multi-node jobs, as multiples of the hidden²-sized default: fewer,
 # larger reduce-scatters and gathers pay the per-collective latency fewer times; 4× costs

@@ -39,10 +39,10 @@ from typing import Literal
 
 from ...spec.job import LoraSpec
 from .. import fusedloss
-from ..communication import hpz_secondary_bytes
 from ..dsconfig import NVME_MIN_BUFFER_ELEMENTS, NVME_OPTIMIZER_BUFFERS, NVME_PARAM_BUFFERS, NVME_SUB_GROUP_SIZE
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
+from ..speed.communication import hpz_secondary_bytes
 
 GIB = 1024**3
 

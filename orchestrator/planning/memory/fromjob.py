@@ -11,10 +11,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import InputError
-from ..communication import Links
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
-from ..steptime import GpuKind
+from ..speed.communication import Links
+from ..speed.steptime import GpuKind
 from ..zerochoice import choose_zero
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory

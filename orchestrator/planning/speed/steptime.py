@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..shape import ModelShape
 from .communication import CommTime, Layout, Links, ZeroSettings, comm_time, micro_step_collectives
-from .shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -132,18 +132,32 @@ class CommTime:
         return sum(c.calls for c in self.collectives)
 
 
-def bucket_calls(numels: Iterable[int], bucket: int) -> int:
-    """Calls when tensors are sent in model order, a call closing once it holds ``bucket`` elements.
+def gather_calls(numels: Iterable[int], bucket: int) -> int:
+    """All-gather calls when the prefetcher sends weights in model order.
 
-    DeepSpeed's prefetcher pops parameters off its trace until it has ``stage3_prefetch_bucket_size``
-    elements in flight and gathers them in one coalesced call; the gradient bucket is reduced
-    once it holds ``reduce_bucket_size``. A tensor larger than the bucket is a call of its own.
+    DeepSpeed's coordinator pops parameters off its trace until it has
+    ``stage3_prefetch_bucket_size`` elements and gathers them in one coalesced call, so a
+    call closes once it holds a bucket; a weight larger than the bucket is a call of its own.
     """
     calls, held = 0, 0
     for numel in numels:
         held += numel
         if held >= bucket:
             calls, held = calls + 1, 0
+    return calls + (1 if held else 0)
+
+
+def reduce_calls(numels: Iterable[int], bucket: int) -> int:
+    """Reduce-scatter calls: ZeRO-3 reduces its gradient bucket before a gradient that would overflow it.
+
+    (stage3.py: ``if elements_in_ipg_bucket + numel > reduce_bucket_size and elements_in_ipg_bucket > 0``),
+    and once more at the end of the backward.
+    """
+    calls, held = 0, 0
+    for numel in numels:
+        if held and held + numel > bucket:
+            calls, held = calls + 1, 0
+        held += numel
     return calls + (1 if held else 0)
 
 
@@ -159,14 +173,14 @@ def micro_step_collectives(
     """The all-gathers and reduce-scatters of one micro-step (LoRA: ``grad_numels`` are the adapters')."""
     gathered = [n for n in weight_numels if n > zero.persistence_threshold]  # small ones persist, whole
     gather_bytes = float(param_bytes * sum(gathered))
-    gather_calls = bucket_calls(gathered, max(1, zero.prefetch_bucket))
+    gathers = gather_calls(gathered, max(1, zero.prefetch_bucket))
     hpz = zero.hpz_partition_size > 1 and layout.nodes > 1
     return (
-        Collective("forward all-gather", gather_calls, gather_bytes, "global"),
-        Collective("backward all-gather", gather_calls, gather_bytes, "node" if hpz else "global"),
+        Collective("forward all-gather", gathers, gather_bytes, "global"),
+        Collective("backward all-gather", gathers, gather_bytes, "node" if hpz else "global"),
         Collective(
             "gradient reduce-scatter",
-            bucket_calls(grad_numels, max(1, zero.reduce_bucket)),
+            reduce_calls(reversed(grad_numels), max(1, zero.reduce_bucket)),
             float(grad_bytes * sum(grad_numels)),
             "global",
         ),

@@ -52,6 +52,7 @@ class SpeedPlan:
     buckets: Buckets | None = None
     notes: tuple[str, ...] = field(default=())
     warning: str | None = None
+    offload_modelled: bool = True  # False: the plan offloads, which the model does not time
 
     def to_dict(self) -> dict[str, Any]:
         step = self.step
@@ -69,6 +70,7 @@ class SpeedPlan:
             "hpz_partition_size": self.hpz_partition_size,
             "reduce_bucket_size": self.buckets.reduce if self.buckets else None,
             "prefetch_bucket_size": self.buckets.prefetch if self.buckets else None,
+            "offload_modelled": self.offload_modelled,
             "notes": list(self.notes),
             "warning": self.warning,
         }
@@ -117,6 +119,11 @@ def choose_zero(
             "per node in Gbit/s)"
         )
         return replace(plan, speed=SpeedPlan(step=None, gpu=gpu.name, notes=tuple(notes)))
+    if plan.choice.offload != "none":
+        notes.append(
+            f"offload {plan.choice.offload}: its PCIe traffic and the CPU optimizer step are not in this "
+            "prediction (it is a lower bound on the step time)"
+        )
     rate = compute_rate(gpu, plan.fused_loss)
     mfu, mfu_source = mfu_for(gpu, plan.fused_loss)
     p = 2 if plan.precision in ("bf16", "fp16") else 4
@@ -206,6 +213,7 @@ def choose_zero(
         hpz_partition_size=hpz,
         buckets=buckets,
         notes=tuple(notes),
+        offload_modelled=chosen.choice.offload == "none",
         warning=comm_bound_warning(step, plan, links, hpz_tried=len(hpz_options) > 1 and not hpz_fits, hpz=hpz),
     )
     return replace(chosen, speed=speed)

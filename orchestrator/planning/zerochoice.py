@@ -142,6 +142,8 @@ def choose_zero(
             param_bytes=p,
             grad_bytes=p,
             grad_numels=grad_numels,
+            checkpointing=plan.choice.gradient_checkpointing,
+            accumulation=plan.gradient_accumulation_steps,
         )
 
     default = plan.buckets

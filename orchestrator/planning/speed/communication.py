@@ -87,6 +87,7 @@ class ZeroSettings:
     prefetch_bucket: int
     persistence_threshold: int
     hpz_partition_size: int = 1  # 1: off; G: a secondary copy of the weights within each node of G GPUs
+    max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance, as dsconfig writes it
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Collective:
     """One kind of collective in a micro-step: how many calls, how many bytes in all, over which link."""
 
     name: str
-    calls: int
+    calls: float  # per micro-step, averaged over an optimizer step's micro-steps
     total_bytes: float  # the whole tensor(s) gathered or reduced, summed over the calls
     scope: str  # "global" (all W GPUs) or "node" (the G GPUs of one node)
 
@@ -129,7 +130,7 @@ class CommTime:
 
     @property
     def calls(self) -> int:
-        return sum(c.calls for c in self.collectives)
+        return round(sum(c.calls for c in self.collectives))
 
 
 def gather_calls(numels: Iterable[int], bucket: int) -> int:
@@ -161,29 +162,91 @@ def reduce_calls(numels: Iterable[int], bucket: int) -> int:
     return calls + (1 if held else 0)
 
 
+def gathered_per_phase(
+    blocks: Sequence[Sequence[tuple[int, int]]], *, checkpointing: bool, max_reuse_distance: int
+) -> tuple[list[int], list[int]]:
+    """The weights all-gathered in the forward and in the backward of one micro-step, in order.
+
+    ``blocks``: the model's modules in forward order, each a list of (tensor id, elements) of its
+    gathered weights (embedding, each decoder layer, the LM head; a tied head repeats the
+    embedding's id). The backward visits them in reverse, and under gradient checkpointing
+    runs each layer's forward again first. DeepSpeed's coordinator releases a weight after a
+    visit unless it is visited again within ``stage3_max_reuse_distance`` elements of
+    weights (partitioned_param_coordinator.py, ``__params_to_release``); a released weight
+    is gathered again at its next visit. (The generated config's 1e9 keeps a layer's weights
+    from its recomputation to its backward, and a model under 1e9 elements whole all step.)
+    """
+    visits: list[tuple[int, int, bool]] = [(t, n, True) for block in blocks for t, n in block]
+    last = len(blocks) - 1
+    for index in range(last, -1, -1):
+        block = list(blocks[index])
+        if checkpointing and 0 < index < last:
+            visits += [(t, n, False) for t, n in block]  # the recomputed forward, within the backward
+        visits += [(t, n, False) for t, n in reversed(block)]
+    prefix = [0]
+    for _, n, _ in visits:
+        prefix.append(prefix[-1] + n)
+    next_visit: dict[int, int] = {}
+    following = [len(visits)] * len(visits)
+    for i in range(len(visits) - 1, -1, -1):
+        following[i] = next_visit.get(visits[i][0], len(visits))
+        next_visit[visits[i][0]] = i
+    available: set[int] = set()
+    forward: list[int] = []
+    backward: list[int] = []
+    for i, (tensor, numel, is_forward) in enumerate(visits):
+        if tensor not in available:
+            (forward if is_forward else backward).append(numel)
+            available.add(tensor)
+        j = following[i]
+        # kept while the weights visited before its next use stay under the distance
+        if j == len(visits) or prefix[j] - prefix[i + 1] >= max_reuse_distance:
+            available.discard(tensor)
+    return forward, backward
+
+
 def micro_step_collectives(
-    weight_numels: Sequence[int],
+    forward_numels: Sequence[int],
+    backward_numels: Sequence[int],
     grad_numels: Sequence[int],
     *,
     zero: ZeroSettings,
     layout: Layout,
     param_bytes: int,
     grad_bytes: int,
+    accumulation: int = 1,
 ) -> tuple[Collective, ...]:
-    """The all-gathers and reduce-scatters of one micro-step (LoRA: ``grad_numels`` are the adapters')."""
-    gathered = [n for n in weight_numels if n > zero.persistence_threshold]  # small ones persist, whole
-    gather_bytes = float(param_bytes * sum(gathered))
-    gathers = gather_calls(gathered, max(1, zero.prefetch_bucket))
+    """The all-gathers and reduce-scatters of one micro-step, averaged over an optimizer step.
+
+    ``forward_numels``/``backward_numels``: the weights gathered in each phase
+    (``gathered_per_phase``); ``grad_numels``: the trained tensors (LoRA: its adapters').
+    With hpZ the backward gathers from the node's secondary copy, and so does every forward
+    but the first of an optimizer step: DeepSpeed drops the secondary copy only after the
+    optimizer step (stage3.py ``_post_step``: ``invalidate_secondary_tensor``).
+    """
     hpz = zero.hpz_partition_size > 1 and layout.nodes > 1
+    fwd_bytes = float(param_bytes * sum(forward_numels))
+    fwd_calls = gather_calls(forward_numels, max(1, zero.prefetch_bucket))
+    bwd = Collective(
+        "backward all-gather",
+        gather_calls(backward_numels, max(1, zero.prefetch_bucket)),
+        float(param_bytes * sum(backward_numels)),
+        "node" if hpz else "global",
+    )
+    reduce = Collective(
+        "gradient reduce-scatter",
+        reduce_calls(reversed(grad_numels), max(1, zero.reduce_bucket)),
+        float(grad_bytes * sum(grad_numels)),
+        "global",
+    )
+    if not hpz or accumulation <= 1:
+        return (Collective("forward all-gather", fwd_calls, fwd_bytes, "global"), bwd, reduce)
+    first = 1 / accumulation
     return (
-        Collective("forward all-gather", gathers, gather_bytes, "global"),
-        Collective("backward all-gather", gathers, gather_bytes, "node" if hpz else "global"),
-        Collective(
-            "gradient reduce-scatter",
-            reduce_calls(reversed(grad_numels), max(1, zero.reduce_bucket)),
-            float(grad_bytes * sum(grad_numels)),
-            "global",
-        ),
+        Collective("forward all-gather", fwd_calls * first, fwd_bytes * first, "global"),
+        Collective("forward all-gather (hpZ copy)", fwd_calls * (1 - first), fwd_bytes * (1 - first), "node"),
+        bwd,
+        reduce,
     )
 
 

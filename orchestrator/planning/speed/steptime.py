@@ -27,7 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..shape import ModelShape
-from .communication import CommTime, Layout, Links, ZeroSettings, comm_time, micro_step_collectives
+from .communication import (
+    CommTime,
+    Layout,
+    Links,
+    ZeroSettings,
+    comm_time,
+    gathered_per_phase,
+    micro_step_collectives,
+)
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,8 @@ def predict(
     grad_bytes: int,
     grad_numels: Sequence[int] | None = None,
     overlap: float = DEFAULT_OVERLAP,
+    checkpointing: bool = True,
+    accumulation: int = 1,
 ) -> StepTime:
     """The predicted micro-step of one GPU.
 
@@ -167,17 +177,39 @@ def predict(
     passes its adapters'). ``tokens`` is what one GPU processes per micro-step.
     """
     weights = shape.weight_numels()
+    forward, backward = gathered_per_phase(
+        module_blocks(shape, zero.persistence_threshold),
+        checkpointing=checkpointing,
+        max_reuse_distance=zero.max_reuse_distance,
+    )
     collectives = micro_step_collectives(
-        weights,
+        forward,
+        backward,
         weights if grad_numels is None else grad_numels,
         zero=zero,
         layout=layout,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
+        accumulation=accumulation,
     )
     comm = comm_time(collectives, layout=layout, links=links)
     compute = tokens * shape.flops_per_token(seq_len) / flops_per_s
     return StepTime(tokens=tokens, compute_s=compute, comm=comm, overlap=overlap)
+
+
+def module_blocks(shape: ModelShape, persistence_threshold: int) -> list[list[tuple[int, int]]]:
+    """The gathered weights by module block in forward order: embedding, each layer, the head (tied: the embedding).
+
+    Weights at or under the persistence threshold (norms, biases) stay whole on every GPU and are left out.
+    """
+    weights = shape.weight_numels()  # embedding, layers, final norm, [head]
+    per_layer = (len(weights) - 2 - (0 if shape.tied_embeddings else 1)) // shape.num_layers
+    blocks: list[list[tuple[int, int]]] = [[(0, weights[0])]]
+    for layer in range(shape.num_layers):
+        start = 1 + layer * per_layer
+        blocks.append([(i, weights[i]) for i in range(start, start + per_layer) if weights[i] > persistence_threshold])
+    blocks.append([(0, weights[0])] if shape.tied_embeddings else [(len(weights) - 1, weights[-1])])
+    return blocks
 
 
 def compute_rate(kind: GpuKind, loss_path: str) -> float:

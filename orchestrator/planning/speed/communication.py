@@ -62,6 +62,9 @@ class Links:
     source: str  # what the figures are: "--link-gbps 200", "measured by the collective check", ...
     inter_latency_s: float | None = None
     intra_latency_s: float | None = None
+    # A reduce-scatter's own inter-node bandwidth where it was measured apart from the all-gather's
+    # (gloo's differs; NCCL runs both as the same ring). None: the same as ``inter_bytes_per_s``.
+    inter_reduce_bytes_per_s: float | None = None
 
     def latency_s(self, world: int, nodes: int) -> float:
         if world <= 1:
@@ -260,7 +263,10 @@ def comm_time(collectives: Sequence[Collective], *, layout: Layout, links: Links
             if links.inter_bytes_per_s is None:
                 raise ValueError("the inter-node bandwidth is needed for a multi-node job")
             share = (world - 1) / world * c.total_bytes
-            seconds = share / min(links.inter_bytes_per_s, links.intra_bytes_per_s)
+            inter = links.inter_bytes_per_s
+            if c.name == "gradient reduce-scatter" and links.inter_reduce_bytes_per_s is not None:
+                inter = links.inter_reduce_bytes_per_s
+            seconds = share / min(inter, links.intra_bytes_per_s)
             inter_bytes += share
             lat = links.latency_s(world, nodes)
         else:

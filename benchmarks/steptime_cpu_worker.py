@@ -67,19 +67,29 @@ def ds_config(config: str, world: int, ranks_per_node: int) -> dict:
 
 
 def timed(fn, iters: int) -> float:
+    """Median seconds of one call, each call started together on every rank (the machine is shared: spikes)."""
+    import statistics
+
     import deepspeed.comm as dist
 
     fn()  # warm-up
-    dist.barrier()
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
         fn()
-    dist.barrier()
-    return (time.perf_counter() - start) / iters
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# The probe's sizes: a tiny one for the per-call latency, and one large enough that its transfer
+# stands well above that latency even on the unshaped link (16 buckets of hidden² elements).
+PROBE_SMALL = 256
+PROBE_BUCKETS = 16
 
 
 def probe(world: int, ranks_per_node: int, bucket: int) -> dict:
-    """Seconds per all-gather and reduce-scatter (fp32) at 256 elements and at the bucket size."""
+    """Median seconds per all-gather and reduce-scatter (fp32) at PROBE_SMALL and at PROBE_BUCKETS buckets."""
     import deepspeed.comm as dist
     import torch
 
@@ -87,9 +97,9 @@ def probe(world: int, ranks_per_node: int, bucket: int) -> dict:
     nodes = world // ranks_per_node
     node_groups = [dist.new_group(list(range(n * ranks_per_node, (n + 1) * ranks_per_node))) for n in range(nodes)]
     mine = node_groups[rank // ranks_per_node]
-    out = {}
+    out = {"small": PROBE_SMALL, "large": PROBE_BUCKETS * bucket}
     for scope, group, size in (("global", None, world), ("node", mine, ranks_per_node)):
-        for elements in (256, bucket):
+        for label, elements in (("small", PROBE_SMALL), ("large", PROBE_BUCKETS * bucket)):
             part = -(-elements // size)
             shard = torch.ones(part)
             full = torch.empty(part * size)
@@ -100,9 +110,9 @@ def probe(world: int, ranks_per_node: int, bucket: int) -> dict:
             def reduce(shard=shard, full=full, group=group):
                 dist.reduce_scatter_fn(shard, full, group=group)
 
-            iters = 5 if elements > 256 else 20
-            out[f"{scope}_all_gather_{elements}"] = timed(gather, iters)
-            out[f"{scope}_reduce_scatter_{elements}"] = timed(reduce, iters)
+            iters = 7 if label == "large" else 15
+            out[f"{scope}_all_gather_{label}"] = timed(gather, iters)
+            out[f"{scope}_reduce_scatter_{label}"] = timed(reduce, iters)
     return out
 
 

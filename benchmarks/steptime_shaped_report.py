@@ -33,19 +33,18 @@ def measured_s(record: dict) -> float:
 
 def links_from_probe(record: dict) -> Links:
     probe, world, per_node = record["probe_s"], record["world"], record["ranks_per_node"]
-    bucket = record["zero_optimization"]["reduce_bucket_size"]
 
     def bandwidth(scope: str, kind: str, ranks: int) -> float:
-        full = 4 * ranks * -(-bucket // ranks)  # fp32 bytes of the whole tensor
-        extra = probe[f"{scope}_{kind}_{bucket}"] - probe[f"{scope}_{kind}_256"]
+        full = 4 * ranks * -(-probe["large"] // ranks)  # fp32 bytes of the whole tensor
+        extra = probe[f"{scope}_{kind}_large"] - probe[f"{scope}_{kind}_small"]
         return (ranks - 1) / ranks * full / max(extra, 1e-6)
 
     return Links(
         inter_bytes_per_s=bandwidth("global", "all_gather", world),
         inter_reduce_bytes_per_s=bandwidth("global", "reduce_scatter", world),
         intra_bytes_per_s=bandwidth("node", "all_gather", per_node),
-        inter_latency_s=(probe["global_all_gather_256"] + probe["global_reduce_scatter_256"]) / 2,
-        intra_latency_s=probe["node_all_gather_256"],
+        inter_latency_s=(probe["global_all_gather_small"] + probe["global_reduce_scatter_small"]) / 2,
+        intra_latency_s=(probe["node_all_gather_small"] + probe["node_reduce_scatter_small"]) / 2,
         source=f"probe at {record['rate_mbit'] or 'unshaped'} Mbit/s",
     )
 
@@ -93,12 +92,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path)
     parser.add_argument("--loss-dir", type=Path, default=None)
+    parser.add_argument("--fit-rate", type=int, default=None, help="Mbit/s of the runs to fit on (default: unshaped)")
+    parser.add_argument("--name", default="report", help="file name of the report (.md) and summary (.json)")
     args = parser.parse_args()
     records = [r for r in json.loads((args.results / "runs.json").read_text()) if "steps" in r]
-    calibration = [r for r in records if r["rate_mbit"] is None]
+    calibration = [r for r in records if r["rate_mbit"] == args.fit_rate]
     rate, overlap = fit(calibration)
+    where = f"{args.fit_rate} Mbit/s" if args.fit_rate else "unshaped"
     lines = [
-        f"Fitted on the {len(calibration)} unshaped runs: compute {rate / 1e9:.2f} GFLOP/s per rank, "
+        f"Fitted on the {len(calibration)} {where} runs: compute {rate / 1e9:.2f} GFLOP/s per rank, "
         f"overlap {overlap:.2f}.",
         "",
         "| rate Mbit/s | config | probe: all-gather / reduce-scatter MB/s, latency ms | compute s | comm s | "
@@ -111,7 +113,7 @@ def main() -> int:
         links = links_from_probe(r)
         measured = measured_s(r)
         error = step.step_s / measured - 1
-        role = "fit" if r["rate_mbit"] is None else "prediction"
+        role = "fit" if r["rate_mbit"] == args.fit_rate else "prediction"
         rows.append({"rate_mbit": r["rate_mbit"], "config": r["config"], "predicted_s": round(step.step_s, 3),
                      "measured_s": round(measured, 3), "error": round(error, 3), "role": role,
                      "compute_s": round(step.compute_s, 3), "comm_s": round(step.comm_s, 3), "bound": step.bound,
@@ -131,8 +133,8 @@ def main() -> int:
         lines += ["", loss["text"]]
     text = "\n".join(lines) + "\n"
     print(text)
-    (args.results / "report.md").write_text(text, encoding="utf-8")
-    (args.results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (args.results / f"{args.name}.md").write_text(text, encoding="utf-8")
+    (args.results / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

@@ -234,6 +234,9 @@ def test_zero_overrides_still_force_the_settings():
     assert calls["backward all-gather"] == 36 * 7 + 1  # the LM head stays gathered into its backward
     assert calls["gradient reduce-scatter"] >= 36 * 7 + 2
     assert "communication-bound: predicted" in plan.speed.warning and "Gbit/s per node" in plan.speed.warning
+    # The micro-batch fix names the largest one that fits these 80 GiB GPUs, not just the compute-bound one.
+    assert "of compute speed" in plan.speed.warning and "zero_hpz_partition_size 1" in plan.speed.warning
+    assert "now 4; micro-batch " in plan.speed.warning and "fits: --set train.micro_batch_size=" in plan.speed.warning
 
 
 def _write_hosts(tmp_path: Path, nodes: int) -> str:
@@ -251,7 +254,7 @@ def test_cli_plan_prints_the_step_time_bound_and_warning(tmp_path):
     text = runner.invoke(main, [*args, "--gpu-kind", "H100", "--link-gbps", "200"], catch_exceptions=False)
     assert text.exit_code == 0, text.output
     assert "tokens/s/GPU, bound: communication" in text.output
-    assert "warning: communication-bound: predicted" in text.output
+    assert "warning: communication-bound: predicted at" in text.output
     out = runner.invoke(main, [*args, "--gpu-kind", "H100", "--link-gbps", "200", "--json"])
     step = json.loads(out.output)["step_time"]
     assert step["bound"] == "communication" and step["hpz_partition_size"] == 1

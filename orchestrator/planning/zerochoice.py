@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .memory.estimate import Buckets, LoraShape, estimate
-from .memory.search import MemoryPlan, fits_hardware, host_per_node
+from .memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from .shape import ModelShape
 from .speed.communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
 from .speed.steptime import GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
@@ -216,7 +216,15 @@ def choose_zero(
         buckets=buckets,
         notes=tuple(notes),
         offload_modelled=chosen.choice.offload == "none",
-        warning=comm_bound_warning(step, plan, links, hpz_tried=len(hpz_options) > 1 and not hpz_fits, hpz=hpz),
+        warning=comm_bound_warning(
+            step,
+            chosen,
+            links,
+            hpz_tried=len(hpz_options) > 1 and not hpz_fits,
+            hpz=hpz,
+            largest_micro=_largest_fitting_micro(chosen, shape, hpz, buckets, lora, step),
+            hpz_forced_off=user_hpz == 1 and layout.nodes > 1 and layout.gpus_per_node > 1,
+        ),
     )
     return replace(chosen, speed=speed)
 
@@ -267,24 +275,57 @@ def _with_settings(
     )
 
 
-def comm_bound_warning(step: StepTime, plan: MemoryPlan, links: Links, *, hpz_tried: bool, hpz: int) -> str | None:
+def _largest_fitting_micro(
+    plan: MemoryPlan, shape: ModelShape, hpz: int, buckets: Buckets, lora: LoraShape | None, step: StepTime
+) -> int:
+    """The largest micro-batch up to the compute-bound one that still fits with these settings."""
+    if step.bound != "communication":
+        return plan.choice.micro_batch_size
+    wanted = min(MAX_AUTO_MICRO_BATCH, -(-break_even_tokens(step) // plan.seq_len))
+    largest = plan.choice.micro_batch_size
+    for micro in range(largest + 1, wanted + 1):
+        if _with_settings(plan, shape, hpz, buckets, lora, micro) is None:
+            break
+        largest = micro
+    return largest
+
+
+def comm_bound_warning(
+    step: StepTime,
+    plan: MemoryPlan,
+    links: Links,
+    *,
+    hpz_tried: bool,
+    hpz: int,
+    largest_micro: int,
+    hpz_forced_off: bool = False,
+) -> str | None:
     """The plan's warning when communication bounds the step: the predicted loss and the ways out."""
     if step.bound != "communication":
         return None
     t_star = break_even_tokens(step)
+    micro = plan.choice.micro_batch_size
+    if largest_micro > micro:
+        how = (
+            f"micro-batch {largest_micro} fits: --set train.micro_batch_size={largest_micro}, with "
+            "gradient_accumulation_steps lowered to keep the global batch"
+        )
+    else:
+        how = "no larger micro-batch fits these GPUs"
     fixes = [
         f"more tokens per GPU per micro-step (compute-bound from about {t_star:,} tokens: micro-batch "
-        f"{-(-t_star // plan.seq_len)} at seq {plan.seq_len}, now {plan.choice.micro_batch_size}; raise "
-        "train.micro_batch_size and lower gradient_accumulation_steps to keep the global batch)"
+        f"{-(-t_star // plan.seq_len)} at seq {plan.seq_len}, now {micro}; {how})"
     ]
     if hpz == 1 and hpz_tried:
         fixes.append("hpZ, once its secondary copy fits (more GPUs, or a smaller micro-batch)")
+    if hpz_forced_off:
+        fixes.append("hpZ (the job sets zero_hpz_partition_size 1; GPUs per node turns it on)")
     if links.inter_bytes_per_s is not None and step.comm.bandwidth_s > 0:
         share = step.compute_s / max(step.comm.bandwidth_s, 1e-12)
         needed = links.inter_bytes_per_s / max(share, 1e-12)
         fixes.append(f"a faster network (about {needed * 8 / 1e9 / RATED_LINK_EFFICIENCY:,.0f} Gbit/s per node)")
     return (
-        f"communication-bound: predicted {step.loss_fraction:.0%} slower than compute alone "
-        f"({step.tokens_per_s:,.0f} against {step.tokens / step.compute_s:,.0f} tokens/s/GPU); fixes: "
-        + "; ".join(fixes)
+        f"communication-bound: predicted at {1 - step.loss_fraction:.0%} of compute speed, "
+        f"{step.loss_fraction:.0%} lost ({step.tokens_per_s:,.0f} against {step.tokens / step.compute_s:,.0f} "
+        "tokens/s/GPU); fixes: " + "; ".join(fixes)
     )

@@ -133,7 +133,7 @@ class StepTime:
 
     @property
     def loss_fraction(self) -> float:
-        """How much slower than compute alone: 1 − compute / step."""
+        """The share of compute speed lost: 1 − compute / step."""
         return 1.0 - self.compute_s / self.step_s
 
     def to_dict(self) -> dict:

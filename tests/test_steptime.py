@@ -144,7 +144,7 @@ def test_one_h200_predicted_step_within_15_percent_of_the_committed_measurement(
     """One GPU: no collective leaves it; the prediction is compute alone (MFU from the synthetic run).
 
     'auto' (packed real rows, varlen attention at the rows' own lengths) is a prediction the MFU was
-    not taken from. 'today' (unpacked rows, no fused loss, micro 5) is outside the model: see the README.
+    not taken from. 'today' (unpacked rows, no fused loss, micro 5) is outside the model: see docs/steptime.md.
     """
     run = _h200_runs()[config]
     shape18 = shape_from_config(

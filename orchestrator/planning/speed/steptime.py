@@ -95,7 +95,7 @@ def mfu_for(kind: GpuKind, loss_path: str) -> tuple[float, str]:
     value = MFU_MEASURED.get((kind.name, loss_path))
     if value is not None:
         return value, f"measured ({kind.name}, loss {loss_path})"
-    return DEFAULT_MFU, f"default {DEFAULT_MFU:.0%} (no measurement for {kind.name})"
+    return DEFAULT_MFU, f"stated default (no measurement for {kind.name})"
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,30 @@ from .options import (
     load_job_from_options,
     nodes_from_options,
 )
+from .planspeed import speed_inputs, speed_lines, speed_options
 
 
 @click.command("plan")
 @job_options
 @hosts_options
 @hardware_options
+@speed_options
 @json_option
 def plan_command(
-    job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, gpu_mem_gib, host_mem_gib, as_json
+    job_file,
+    overrides,
+    runtime,
+    hostfile,
+    include,
+    exclude,
+    num_nodes,
+    num_gpus,
+    gpu_mem_gib,
+    host_mem_gib,
+    gpu_kind,
+    link_gbps,
+    intra_gbps,
+    as_json,
 ):
     """Predict per-GPU and per-node memory and choose micro-batch, checkpointing and offload.
 
@@ -43,7 +58,10 @@ def plan_command(
     slots = [n.num_slots for n in nodes]
     hardware = hardware_for(nodes, gpu_mem_gib, host_mem_gib)
     host_mem_gib = hardware.host_mem_gib
-    plan, ds_config = plan_for_job(inputs, slots, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=host_mem_gib)
+    speed = speed_inputs(gpu_kind, link_gbps, intra_gbps)
+    plan, ds_config = plan_for_job(
+        inputs, slots, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=host_mem_gib, speed=speed
+    )
     if as_json:
         out = plan.to_dict(ds_config)
         out["model"] = shape.to_dict()
@@ -116,6 +134,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
     lines.append("")
     lines.append("fits" if plan.fits else f"does not fit: {plan.reason}")
     lines += [f"note: {note}" for note in plan.notes]
+    lines += speed_lines(plan)
     return "\n".join(lines)
 
 

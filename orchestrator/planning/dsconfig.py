@@ -58,6 +58,9 @@ class Resolved:
     nvme_path: str | None = None
     # Elements of one parameter swap buffer; DeepSpeed needs it to hold the largest weight.
     nvme_buffer_elements: int | None = None
+    # ZeRO++ hpZ: a secondary copy of the weights within groups of this many GPUs (one node);
+    # 1 = off. Chosen by planning/zerochoice.py for multi-node jobs.
+    hpz_partition_size: int = 1
 
 
 def bucket_sizes(hidden_size: int) -> tuple[int, int, int]:
@@ -195,6 +198,10 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if resolved.nvme_path is not None:
         zero.update(nvme_sections(resolved))
+    if resolved.hpz_partition_size > 1:
+        # The backward's all-gather then stays within each node (ZeRO++ hpZ). Only hpZ: qwZ
+        # and qgZ are never written (planning/zerochoice.py says why).
+        zero["zero_hpz_partition_size"] = resolved.hpz_partition_size
     config_optimizer: dict[str, Any] | None = None
     if resolved.offload_optimizer:
         # With the optimizer offloaded DeepSpeed needs its own CPU Adam (a JIT-built op).

@@ -42,6 +42,7 @@ from .. import fusedloss
 from ..dsconfig import NVME_MIN_BUFFER_ELEMENTS, NVME_OPTIMIZER_BUFFERS, NVME_PARAM_BUFFERS, NVME_SUB_GROUP_SIZE
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
+from ..speed.communication import hpz_secondary_bytes
 
 GIB = 1024**3
 
@@ -280,11 +281,14 @@ def estimate(
     buckets: Buckets | None = None,
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
+    hpz_partition_size: int = 1,
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
 
     ``lora``: only adapters train (``train.method: lora``); the base weights stay
     partitioned in the model dtype and have no gradients, master copies or Adam states.
+    ``hpz_partition_size`` > 1 (ZeRO++ hpZ): each GPU also holds its share of a node-wide
+    secondary copy of the gathered weights (model dtype, over that many GPUs).
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
@@ -330,6 +334,10 @@ def estimate(
     host["process"] = int(RANK_HOST_GIB * GIB)
     host["data (mapped cache, private)"] = int(DATA_RANK_PRIVATE_GIB * GIB)
     gpu["persistent small params"] = p * shape.num_layers * shape.small_params_per_layer
+    if hpz_partition_size > 1:
+        gpu["hpZ secondary weights"] = hpz_secondary_bytes(
+            shape.weight_numels(), persistence_threshold=b.persistence, gpus_per_node=hpz_partition_size, p=p
+        )
     # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
     if lora:
         # The frozen weight is gathered again for the backward (for its input's gradient), but has none.

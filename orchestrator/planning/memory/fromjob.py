@@ -7,14 +7,25 @@ they were read once, before any host was touched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
+from ..speed.communication import Links
+from ..speed.steptime import GpuKind
+from ..zerochoice import choose_zero
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
+
+
+@dataclass(frozen=True)
+class SpeedInputs:
+    """What the step-time model needs beyond the plan: the GPU kind and the links (``None``: not known)."""
+
+    gpu: GpuKind | None
+    links: Links | None
 
 
 def allowed_from(inputs: JobInputs) -> Allowed:
@@ -103,6 +114,7 @@ def plan_for_job(
     host_mem_gib: float | None,
     bf16_supported: bool = True,
     nvme: NvmeReading | None = None,
+    speed: SpeedInputs | None = None,
 ) -> tuple[MemoryPlan, dict[str, Any] | None]:
     """The memory plan of a job on nodes with these slots, and its DeepSpeed config (``None`` if it does not fit).
 
@@ -110,7 +122,9 @@ def plan_for_job(
     (smallest GPU memory and host RAM found, whether every GPU has bf16, and what it
     measured at ``zero.nvme_path``) and then calls ``require_fit``. Full fine-tuning
     that does not fit is also planned as LoRA (the job's ``train.lora``), so that the
-    refusal can name it; the plan itself never switches method.
+    refusal can name it; the plan itself never switches method. ``speed`` (the GPU kind and the
+    links): the step-time model then predicts the step and chooses hpZ and bucket sizes
+    (planning/zerochoice.py); without it the ZeRO settings stay the defaults.
     """
     spec = inputs.spec
     if spec.accelerator == "gpu" and gpu_mem_gib is None:
@@ -157,5 +171,17 @@ def plan_for_job(
             on_disk = planned(False, replace(allowed, offload="nvme"))
             if on_disk.fits:
                 plan = replace(plan, nvme_alternative=on_disk)
+    if speed is not None and plan.fits:
+        fixed = merge(inputs.user_ds_config or {}, spec.zero.overrides)
+        lora_shape = lora if spec.train.method == "lora" else None
+        plan = choose_zero(
+            plan,
+            inputs.shape,
+            gpu=speed.gpu,
+            links=speed.links,
+            fixed_config=fixed,
+            lora=lora_shape,
+            micro_auto=allowed.micro_batch_size is None,
+        )
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config

@@ -125,6 +125,9 @@ class MemoryPlan:
     nvme_alternative: MemoryPlan | None = None
     lora: LoraShape | None = None  # train.method: lora
     largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
+    hpz_partition_size: int = 1  # ZeRO++ hpZ chosen by planning/zerochoice.py (1: off)
+    # The predicted step time and the ZeRO choices' reasons (planning/zerochoice.py's SpeedPlan), if made.
+    speed: Any = None
 
     @property
     def nvme_step_s(self) -> float | None:
@@ -160,6 +163,7 @@ class MemoryPlan:
             fused_loss=self.fused_loss,
             nvme_path=self.nvme_path if self.choice.offload == "nvme" else None,
             nvme_buffer_elements=self.largest_layer_params if self.choice.offload == "nvme" else None,
+            hpz_partition_size=self.hpz_partition_size,
         )
 
     def to_dict(self, ds_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -203,6 +207,7 @@ class MemoryPlan:
             "reason": self.reason or None,
             "min_nodes": self.min_nodes,
             "notes": list(self.notes),
+            "step_time": self.speed.to_dict() if self.speed is not None else None,
             "ds_config": ds_config,
         }
 
@@ -395,6 +400,16 @@ def plan_memory(
         min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora),
         **common,
     )
+
+
+def fits_hardware(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, str]:
+    """Whether an estimate fits these nodes with the stated margins, and why not."""
+    return _fits(est, hardware, accelerator)
+
+
+def host_per_node(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[int, ...]:
+    """Host RAM each node needs for this estimate (bytes, hostfile order)."""
+    return _host_per_node(est, hardware, accelerator)
 
 
 def _host_per_node(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[int, ...]:

@@ -136,7 +136,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro", default="2,4,8,16")
     parser.add_argument("--checkpointed", default="0,half,all", help="N values: numbers, 'half', 'all'")
     parser.add_argument("--lora", action="store_true")
@@ -176,7 +176,7 @@ def main() -> int:
                 "device": torch.cuda.get_device_name(), "points": points,
             }  # fmt: skip
             timed = [p for p in points if "median_step_s" in p]
-            if len({(p["checkpointed"], p["micro"]) for p in timed}) >= 3:
+            if len({p["checkpointed"] for p in timed}) >= 2 and len({p["micro"] for p in timed}) >= 2:
                 summary["fit"] = fit(timed, args.layers)
             name = "recompute-lora.json" if args.lora else "recompute.json"
             (args.out / name).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -90,6 +90,8 @@ class Settings:
     precision: str
     output_dir: Path
     packing: bool = False
+    # train.gradient_checkpointing: N: only the first N decoder layers recompute (None: all of them).
+    checkpointed_layers: int | None = None
 
 
 def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | None, output_dir: Path) -> Settings:
@@ -143,6 +145,7 @@ def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | Non
         micro_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         gradient_checkpointing=resolved.gradient_checkpointing,
+        checkpointed_layers=resolved.checkpointed_layers,
         precision=precision,
         output_dir=output_dir,
         packing=resolve_packing(spec),
@@ -325,8 +328,10 @@ class ProgressCallback(TrainerCallback):
         lineage: str,
         keep: int | None = None,
         start_extra: dict | None = None,
+        checkpointed_layers: int | None = None,
     ) -> None:
         self.log, self.ranks, self.save = log, ranks, save
+        self.checkpointed_layers = checkpointed_layers  # train.gradient_checkpointing: N (None: all or none)
         self.lineage = lineage  # written in every marker; rotation deletes only this line's checkpoints
         self.keep = keep  # train.save_total_limit: complete checkpoints kept (None: all)
         self.start_extra = start_extra or {}  # packing and attention kernel, for the start event
@@ -350,6 +355,9 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.last_end = time.perf_counter()
+        if model is not None and self.checkpointed_layers is not None:
+            # The Trainer has enabled checkpointing on every layer; keep it on the first N only.
+            checkpointing.checkpoint_first(model, self.checkpointed_layers)
         if self.ranks.rank == 0 and model is not None:
             # The Trainer has switched checkpointing on (or not) by now: say what the layers will do.
             on, layers = checkpointing.layers_checkpointed(model)
@@ -668,6 +676,7 @@ def train(
         lineage=lineage,
         keep=spec.train.save_total_limit,
         start_extra={"packing": packed, "attention": used},
+        checkpointed_layers=settings.checkpointed_layers if settings.gradient_checkpointing else None,
     )
     trainer = DzTrainer(
         model=model,

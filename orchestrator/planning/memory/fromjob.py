@@ -22,7 +22,14 @@ def allowed_from(inputs: JobInputs) -> Allowed:
     spec = inputs.spec
     train = spec.train
     micro = None if train.micro_batch_size == "auto" else int(train.micro_batch_size)
-    ckpt = None if train.gradient_checkpointing == "auto" else bool(train.gradient_checkpointing)
+    ckpt = None if train.gradient_checkpointing == "auto" else train.gradient_checkpointing
+    layers = inputs.shape.num_layers
+    if not isinstance(ckpt, bool) and isinstance(ckpt, int) and ckpt > layers:
+        raise InputError(
+            f"{inputs.job.where('train.gradient_checkpointing')}: {ckpt} layers to checkpoint, "
+            f"the model ({inputs.shape.name}) has {layers}",
+            fix=f"give a number from 0 to {layers}, true (all), false (none) or auto",
+        )
     offload: Offload | None = None if spec.zero.offload == "auto" else spec.zero.offload
     user = inputs.user_ds_config
     fixed = merge(user or {}, spec.zero.overrides)
@@ -144,6 +151,7 @@ def plan_for_job(
             fused_loss=inputs.fused_loss,
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
+            packed=inputs.packing and spec.accelerator == "gpu",
         )
 
     plan = planned(spec.train.method == "lora")

@@ -167,7 +167,10 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
         plan = {"error": planned.stderr[-2000:]}
     result["plan"] = {
         k: plan.get(k)
-        for k in ("micro_batch_size", "gradient_checkpointing", "precision", "zero", "fused_loss", "per_gpu_gib")
+        for k in (
+            "micro_batch_size", "gradient_checkpointing", "checkpointed_layers", "decoder_layers", "precision", "zero",
+            "fused_loss", "per_gpu_gib", "ds_config",
+        )  # fmt: skip
     }
     result["predicted_peak_gib"] = plan.get("per_gpu_gib")
     started = time.monotonic()

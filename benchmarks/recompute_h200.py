@@ -75,6 +75,9 @@ def build(args):
     resolved = dsconfig.Resolved(1, True, False, False, reduce, prefetch, persistence, "bf16", fused_loss="liger")
     ds = dsconfig.build_ds_config(spec, resolved, 1)
     ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+    if args.persistence is not None:
+        # Parameters below this many elements stay gathered on the GPU: no fetch, no release, every step.
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence
     config = transformers.AutoConfig.for_model(**cfg)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -144,6 +147,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=400)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--refit", type=Path, help="fit a recorded recompute.json again")
+    parser.add_argument("--persistence", type=int, default=None, help="stage3_param_persistence_threshold")
+    parser.add_argument("--profile", action="store_true", help="after the grid, profile one step of its first point")
+    parser.add_argument("--tag", default="", help="suffix of the output files")
     args = parser.parse_args()
     if args.refit:
         recorded = json.loads(args.refit.read_text())
@@ -178,10 +184,31 @@ def main() -> int:
             timed = [p for p in points if "median_step_s" in p]
             if len({p["checkpointed"] for p in timed}) >= 2 and len({p["micro"] for p in timed}) >= 2:
                 summary["fit"] = fit(timed, args.layers)
-            name = "recompute-lora.json" if args.lora else "recompute.json"
+            name = ("recompute-lora" if args.lora else "recompute") + args.tag + ".json"
             (args.out / name).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(summary.get("fit")), flush=True)
+    if args.profile:
+        profile_step(engine, cfg, points[0]["micro"], points[0]["checkpointed"], args)
     return 0
+
+
+def profile_step(engine, cfg, micro: int, n: int, args) -> None:
+    """One step under torch.profiler: the top costs by GPU and by CPU time, as text (the trace is too large)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, cfg["vocab_size"], (micro, args.seq), device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    text = [f"# one step, micro {micro}, {n} layers checkpointed, lora {args.lora}, persistence {args.persistence}"]
+    text.append(averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    text.append(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    name = ("profile-lora" if args.lora else "profile") + args.tag + ".txt"
+    (args.out / name).write_text("\n\n".join(text) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -325,8 +325,9 @@ def plan_memory(
     Order: no offload, then optimizer offload, then full offload (each step costs
     far more throughput than any micro-batch or checkpointing choice: 27× measured for
     full offload, DESIGN §5); within one offload level the candidate with the lowest
-    ``expected_cost_per_token``, i.e. the largest micro-batch that fits, with
-    checkpointing off only where that wins. The user's gradient_accumulation_steps is
+    ``expected_cost_per_token`` among, at each micro-batch, the fewest checkpointed layers that
+    fit (``packed``: the rows are packed, so the varlen attention's extra counts). The work grows
+    as micro-batches × log2(layers) estimates. The user's gradient_accumulation_steps is
     kept as written, so train_batch_size = micro × accumulation × world.
     """
     buckets = Buckets.for_hidden(shape.hidden_size)

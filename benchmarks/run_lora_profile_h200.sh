@@ -11,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561
 # The profile is of the first point (micro 6); micro 4 is the persistent run's comparison.
 python3 benchmarks/recompute_h200.py --lora --layers 36 --micro "${MICRO:-6,4}" --checkpointed 6 --steps 3 --profile \
-    --tag -default --out "$OUT"
+    --tag=-default --out "$OUT"
 [ "${PERSISTENCE:-1}" = 1 ] || exit 0  # the second build takes another minute of device time
 python3 benchmarks/recompute_h200.py --lora --layers 36 --micro 4 --checkpointed 6 --steps 3 \
-    --persistence 1000000000 --tag -persistent --out "$OUT"
+    --persistence 1000000000 --tag=-persistent --out "$OUT"

@@ -58,7 +58,11 @@ from zero3_h200 import MODELS, PEAK_TFLOPS, flops_per_token  # noqa: E402
 
 CONFIGS = ("today", "auto", "synthetic")
 HOSTS = ROOT / "hostfiles" / "localhost.txt"
-LAUNCH_TIMEOUT_S = 240  # one configuration; a hung run is stopped and reported, the others still run
+LAUNCH_TIMEOUT_S = 240
+PLAN_KEYS = (
+    "micro_batch_size", "gradient_checkpointing", "checkpointed_layers", "decoder_layers", "precision", "zero",
+    "fused_loss", "per_gpu_gib", "ds_config",
+)  # fmt: skip  # one configuration; a hung run is stopped and reported, the others still run
 
 
 def spec_has(dotted: str) -> bool:
@@ -165,10 +169,7 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
         plan = json.loads(planned.stdout)
     except json.JSONDecodeError:
         plan = {"error": planned.stderr[-2000:]}
-    result["plan"] = {
-        k: plan.get(k)
-        for k in ("micro_batch_size", "gradient_checkpointing", "precision", "zero", "fused_loss", "per_gpu_gib")
-    }
+    result["plan"] = {k: plan.get(k) for k in PLAN_KEYS}
     result["predicted_peak_gib"] = plan.get("per_gpu_gib")
     started = time.monotonic()
     launch_argv = ["launch", str(job), "--hosts", str(args.hosts), "--runtime", "process", "--follow", "--json"]

@@ -156,7 +156,7 @@ CASES = [
         [],
         "job",
         10,
-        "true, false or auto",
+        "true, false, auto or a number of layers",
     ),
     ("set-typo", GOOD_JOB, GOOD_HOSTS, ["--set", "train.lerning_rate=1"], "set", None, "did you mean learning_rate"),
     ("set-bad-value", GOOD_JOB, GOOD_HOSTS, ["--set", "train.max_steps=lots"], "set", None, "integer"),

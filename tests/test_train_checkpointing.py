@@ -123,14 +123,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tiny_fp32(layers: int):
+    config = transformers.AutoConfig.for_model(**dict(TINY, num_hidden_layers=layers))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    return model
+
+
+def test_checkpointing_the_first_n_layers_keeps_the_loss_and_gradients_and_saves_less():
+    """Issue 29: N of L layers recompute; same loss and gradients as none (fp32), and N fewer full layers kept."""
+    ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for count in (0, 1, 2, 3):
+        model = _tiny_fp32(3)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing.CHECKPOINT_KWARGS)
+        checkpointing.checkpoint_first(model, count)
+        assert checkpointing.layers_checkpointed(model) == (count, 3)
+        assert [layer.gradient_checkpointing for layer in checkpointing.decoder_layers(model)] == [
+            i < count for i in range(3)
+        ]
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen, params=params):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[count] = (loss.item(), grads, sum(seen.values()))
+    loss0, grads0, saved0 = results[0]
+    for count in (1, 2, 3):
+        loss, grads, saved = results[count]
+        assert loss == pytest.approx(loss0, rel=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, grads0[name], rtol=1e-5, atol=1e-6)
+        assert saved < results[count - 1][2]  # each layer more checkpointed keeps less
+    # Each layer checkpointed instead of run in full saves about the same (a third of all three's saving):
+    # what the planner's estimate removes per layer.
+    per_layer = (saved0 - results[3][2]) / 3
+    assert saved0 - results[1][2] == pytest.approx(per_layer, rel=0.02)
+    with pytest.raises(ValueError, match="4 layers to checkpoint, the model has 3"):
+        checkpointing.checkpoint_first(_tiny_fp32(3), 4)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("enabled", [True, False])
+# 1 (the first of the 2 layers) stands for true too: the Trainer enables checkpointing, then all but one layer drop it.
+@pytest.mark.parametrize("enabled", [False, 1])
 def test_a_real_run_says_nothing_about_deprecated_checkpointing(tmp_path, enabled):
     name = f"ckpt-{uuid.uuid4().hex[:6]}"
     sets = [
         f"name={name}", f"launch.remote_dir={tmp_path / 'remote'}", f"launch.master_port={_free_port()}",
         f"launch.python={sys.executable}", "train.max_steps=2", "train.save=false",
-        f"train.gradient_checkpointing={str(enabled).lower()}",
+        f"train.gradient_checkpointing={str(enabled).lower()}",  # 1: the first of the 2 layers only
     ]  # fmt: skip
     argv = [sys.executable, "-m", "orchestrator", "launch", "jobs/tiny-cpu.yaml", "--hosts", "hostfiles/localhost.txt",
             "--runtime", "process", "--follow", "--raw", *(x for s in sets for x in ("--set", s))]  # fmt: skip
@@ -141,5 +191,5 @@ def test_a_real_run_says_nothing_about_deprecated_checkpointing(tmp_path, enable
     assert not [line for line in output.splitlines() if CHECKPOINT_WARNING.search(line)], output[-3000:]
     assert "FutureWarning" not in output, output[-3000:]
     # Rank 0 reads the flag the layers' forward consults, once the Trainer has set it up.
-    expected = "2 of 2" if enabled else "0 of 2"
+    expected = "0 of 2" if enabled is False else "2 of 2" if enabled is True else f"{enabled} of 2"
     assert f"activation checkpointing in {expected} decoder layers" in output, output[-3000:]

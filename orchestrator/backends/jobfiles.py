@@ -48,7 +48,7 @@ def node_spec(job: ResolvedJob, node: NodePlan) -> dict:
         target["path"] = f"{job_dir}/{item.name}"
     settings = job.settings
     data["train"]["micro_batch_size"] = settings.micro_batch_size
-    data["train"]["gradient_checkpointing"] = settings.gradient_checkpointing
+    data["train"]["gradient_checkpointing"] = settings.checkpointing_setting
     data["train"]["precision"] = settings.precision
     if settings.fused_loss is not None:
         data["train"]["fused_loss"] = settings.fused_loss

@@ -176,7 +176,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"seq {plan.seq_len}, {plan.precision}",
         f"{'choice' if plan.fits else 'closest allowed setup'}: micro-batch {c.micro_batch_size} "
         f"({how(train.micro_batch_size)}), gradient checkpointing "
-        f"{'on' if c.gradient_checkpointing else 'off'} ({how(train.gradient_checkpointing)}), offload {c.offload} "
+        f"{c.checkpointing_words(plan.estimate.num_layers)} ({how(train.gradient_checkpointing)}), offload {c.offload} "
         f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
         f"{plan.train_batch_size}",
         f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",

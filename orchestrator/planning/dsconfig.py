@@ -59,8 +59,17 @@ class Resolved:
     # Elements of one parameter swap buffer; DeepSpeed needs it to hold the largest weight.
     nvme_buffer_elements: int | None = None
     # ZeRO++ hpZ: a secondary copy of the weights within groups of this many GPUs (one node);
-    # 1 = off. Chosen by planning/zerochoice.py for multi-node jobs.
+    # 1 = off. Chosen by planning/speed/zerochoice.py for multi-node jobs.
     hpz_partition_size: int = 1
+    # train.gradient_checkpointing: N: the first N decoder layers recompute (None: all, when on).
+    checkpointed_layers: int | None = None
+
+    @property
+    def checkpointing_setting(self) -> bool | int:
+        """What ``train.gradient_checkpointing`` says for these choices in a resolved job file."""
+        if self.gradient_checkpointing and self.checkpointed_layers is not None:
+            return self.checkpointed_layers
+        return self.gradient_checkpointing
 
 
 def bucket_sizes(hidden_size: int) -> tuple[int, int, int]:
@@ -98,11 +107,15 @@ def resolve_defaults(spec: JobSpec, *, bf16_supported: bool = True) -> Resolved:
     """The choices used when no planner result is given: safe rather than fast."""
     train = spec.train
     micro = train.micro_batch_size if train.micro_batch_size != "auto" else 1
+    layers: int | None = None
     if train.gradient_checkpointing == "auto":
         # On GPUs activations are what runs out first; tiny CPU models do not need it.
         checkpointing = spec.accelerator == "gpu"
-    else:
-        checkpointing = bool(train.gradient_checkpointing)
+    elif isinstance(train.gradient_checkpointing, bool):
+        checkpointing = train.gradient_checkpointing
+    else:  # N layers
+        checkpointing = train.gradient_checkpointing > 0
+        layers = train.gradient_checkpointing or None
     offload = spec.zero.offload if spec.zero.offload != "auto" else "none"
     hidden = (spec.model.config or {}).get("hidden_size")
     vocab = (spec.model.config or {}).get("vocab_size")
@@ -120,6 +133,7 @@ def resolve_defaults(spec: JobSpec, *, bf16_supported: bool = True) -> Resolved:
         precision=resolve_precision(spec, bf16_supported=bf16_supported),
         nvme_path=spec.zero.nvme_path if offload == "nvme" else None,
         nvme_buffer_elements=hidden * vocab if isinstance(hidden, int) and isinstance(vocab, int) else None,
+        checkpointed_layers=layers,
     )
 
 
@@ -200,7 +214,7 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
         zero.update(nvme_sections(resolved))
     if resolved.hpz_partition_size > 1:
         # The backward's all-gather then stays within each node (ZeRO++ hpZ). Only hpZ: qwZ
-        # and qgZ are never written (planning/zerochoice.py says why).
+        # and qgZ are never written (planning/speed/zerochoice.py says why).
         zero["zero_hpz_partition_size"] = resolved.hpz_partition_size
     config_optimizer: dict[str, Any] | None = None
     if resolved.offload_optimizer:

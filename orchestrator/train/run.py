@@ -93,6 +93,8 @@ class Settings:
     precision: str
     output_dir: Path
     packing: bool = False
+    # train.gradient_checkpointing: N: only the first N decoder layers recompute (None: all of them).
+    checkpointed_layers: int | None = None
 
 
 def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | None, output_dir: Path) -> Settings:
@@ -146,6 +148,7 @@ def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | Non
         micro_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         gradient_checkpointing=resolved.gradient_checkpointing,
+        checkpointed_layers=resolved.checkpointed_layers,
         precision=precision,
         output_dir=output_dir,
         packing=resolve_packing(spec),
@@ -333,9 +336,11 @@ class ProgressCallback(TrainerCallback):
         keep: int | None = None,
         start_extra: dict | None = None,
         eval_runner: EvalRunner | None = None,
+        checkpointed_layers: int | None = None,
     ) -> None:
         self.log, self.ranks, self.save = log, ranks, save
         self.eval_runner = eval_runner  # names the best checkpoint, which rotation keeps (train.save_best)
+        self.checkpointed_layers = checkpointed_layers  # train.gradient_checkpointing: N (None: all or none)
         self.lineage = lineage  # written in every marker; rotation deletes only this line's checkpoints
         self.keep = keep  # train.save_total_limit: complete checkpoints kept (None: all)
         self.start_extra = start_extra or {}  # packing and attention kernel, for the start event
@@ -359,6 +364,9 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.last_end = time.perf_counter()
+        if model is not None and self.checkpointed_layers is not None:
+            # The Trainer has enabled checkpointing on every layer; keep it on the first N only.
+            checkpointing.checkpoint_first(model, self.checkpointed_layers)
         if self.ranks.rank == 0 and model is not None:
             # The Trainer has switched checkpointing on (or not) by now: say what the layers will do.
             on, layers = checkpointing.layers_checkpointed(model)
@@ -664,6 +672,7 @@ def train(
         keep=spec.train.save_total_limit,
         start_extra={"packing": packed, "attention": used},
         eval_runner=runner,
+        checkpointed_layers=settings.checkpointed_layers if settings.gradient_checkpointing else None,
     )
     trainer = DzTrainer(
         model=model,

@@ -175,6 +175,19 @@ def layer_activation_bytes_per_token(shape: ModelShape, act: int, kernels: Kerne
     return total
 
 
+def packed_attention_extra_bytes_per_token(shape: ModelShape, act: int) -> int:
+    """What packed rows' varlen attention (train/model/attention.py) keeps beyond SDPA's q, k, v, per layer and token.
+
+    torch 2.11's ``varlen_attn`` has no ``enable_gqa``: k and v are repeated from the KV heads to
+    every query head before the call, and those copies are what it saves for the backward
+    (benchmarks/results/attention-h200-20261130). Under checkpointing this is one layer's worth; without
+    it every full layer's: on the 36-layer Qwen3-8B at micro 5 (LoRA, SFT rows) 8.4 GiB, the
+    7.7 GiB the planner once missed (issue 29). Counted wherever the KV heads are fewer (the safe
+    side on a torch whose kernel takes GQA itself).
+    """
+    return 2 * act * (shape.q_dim - shape.kv_dim)
+
+
 def logits_bytes_per_token(shape: ModelShape, act: int) -> int:
     """Bytes per token live at the loss's backward, when the logits cost most.
 
@@ -228,9 +241,34 @@ class Buckets:
 
 @dataclass(frozen=True)
 class Choice:
+    """One candidate configuration. ``checkpointed_layers``: how many decoder layers recompute
+    their activations (``train.gradient_checkpointing: N``); ``None`` = all of them when
+    ``gradient_checkpointing`` is on, none when it is off."""
+
     micro_batch_size: int
     gradient_checkpointing: bool
     offload: Offload
+    checkpointed_layers: int | None = None
+
+    @classmethod
+    def with_layers(cls, micro_batch_size: int, checkpointed: int, num_layers: int, offload: Offload) -> Choice:
+        """The choice that checkpoints ``checkpointed`` of ``num_layers`` layers, in its one spelling
+        (0 is off, all is on: so equal configurations compare equal)."""
+        if checkpointed <= 0:
+            return cls(micro_batch_size, False, offload)
+        if checkpointed >= num_layers:
+            return cls(micro_batch_size, True, offload)
+        return cls(micro_batch_size, True, offload, checkpointed)
+
+    def checkpointing_words(self, num_layers: int) -> str:
+        """``on``, ``off``, or ``on in N of L layers``: how plans and refusals say it."""
+        n = self.layers_checkpointed(num_layers)
+        return "off" if n == 0 else "on" if n >= num_layers else f"on in {n} of {num_layers} layers"
+
+    def layers_checkpointed(self, num_layers: int) -> int:
+        if not self.gradient_checkpointing:
+            return 0
+        return num_layers if self.checkpointed_layers is None else min(self.checkpointed_layers, num_layers)
 
     @property
     def offload_optimizer(self) -> bool:
@@ -252,6 +290,7 @@ class Estimate:
     nvme_terms_per_rank: dict[str, int] = field(default_factory=dict)  # bytes on the NVMe disk (offload nvme)
     trainable_params: int = 0  # all parameters for full fine-tuning, the adapters for LoRA
     method: str = "full"  # or "lora"
+    num_layers: int = 0  # decoder layers of the model (what checkpointed_layers counts against)
 
     @property
     def nvme_per_rank(self) -> int:
@@ -282,6 +321,7 @@ def estimate(
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
     hpz_partition_size: int = 1,
+    packed: bool = False,
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
 
@@ -351,6 +391,8 @@ def estimate(
     act = p
     kernels: Kernels = "liger" if fused_loss == "liger" else "hf"
     full_layer = layer_activation_bytes_per_token(shape, act, kernels) * tokens
+    if packed:
+        full_layer += packed_attention_extra_bytes_per_token(shape, act) * tokens
     if lora:
         full_layer += lora.activation_bytes_per_token(shape, act) * tokens
     # A fused loss keeps the final norm's output itself (chunked) or not at all (Liger computes
@@ -360,7 +402,8 @@ def estimate(
         * tokens
     )
     logits = loss_bytes(shape, act, tokens, fused_loss)
-    if choice.gradient_checkpointing:
+    checkpointed = choice.layers_checkpointed(shape.num_layers)
+    if checkpointed == shape.num_layers:
         kept = shape.num_layers * act * shape.hidden_size * tokens
         # During a layer's recomputation its full activations and the incoming gradient
         # exist, but by then the logits are freed: the larger of the two moments counts.
@@ -368,6 +411,19 @@ def estimate(
         train_terms = {
             "activations (checkpoints)": kept + final_norm,
             "logits + loss": max(logits, recompute),
+        }
+    elif checkpointed:
+        # Selective (train/model/checkpointing.py::checkpoint_first): the first N layers keep
+        # their input, the other L - N every activation. At the loss all of them are live; the
+        # backward frees the full layers first, so a checkpointed layer's recomputation comes
+        # when only the remaining checkpoints are held: the loss's moment is the larger.
+        kept = checkpointed * act * shape.hidden_size * tokens
+        recompute = full_layer + 2 * act * shape.hidden_size * tokens
+        full = (shape.num_layers - checkpointed) * full_layer
+        train_terms = {
+            "activations (checkpoints)": kept + final_norm,
+            f"activations ({shape.num_layers - checkpointed} layers not checkpointed)": full,
+            "logits + loss": max(logits, recompute - full),
         }
     else:
         train_terms = {
@@ -392,6 +448,7 @@ def estimate(
         nvme_terms_per_rank=nvme,
         trainable_params=trainable,
         method="lora" if lora else "full",
+        num_layers=shape.num_layers,
     )
 
 
@@ -487,9 +544,12 @@ def nvme_io_per_step(est: Estimate, *, accumulation: int) -> tuple[int, int]:
     disk = est.nvme_terms_per_rank
     if not disk:
         return 0, 0
-    passes = 3 if est.choice.gradient_checkpointing else 2
+    # The recomputation reads the partitions of the checkpointed layers once more.
+    passes = 3 if est.choice.gradient_checkpointing and est.choice.checkpointed_layers is None else 2
     states, grads = disk["fp32 master + Adam m,v"], disk["fp32 grads"]
     read = accumulation * passes * disk["params"] + states + grads
+    if est.choice.checkpointed_layers:
+        read += accumulation * disk["params"] * est.choice.checkpointed_layers // max(est.num_layers, 1)
     written = states + grads + (disk["params"] if est.method == "full" else 0)
     return read, written
 

@@ -15,7 +15,7 @@ from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
 from ..speed.communication import Links
 from ..speed.steptime import GpuKind
-from ..zerochoice import choose_zero
+from ..speed.zerochoice import choose_zero
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
@@ -33,7 +33,14 @@ def allowed_from(inputs: JobInputs) -> Allowed:
     spec = inputs.spec
     train = spec.train
     micro = None if train.micro_batch_size == "auto" else int(train.micro_batch_size)
-    ckpt = None if train.gradient_checkpointing == "auto" else bool(train.gradient_checkpointing)
+    ckpt = None if train.gradient_checkpointing == "auto" else train.gradient_checkpointing
+    layers = inputs.shape.num_layers
+    if not isinstance(ckpt, bool) and isinstance(ckpt, int) and ckpt > layers:
+        raise InputError(
+            f"{inputs.job.where('train.gradient_checkpointing')}: {ckpt} layers to checkpoint, "
+            f"the model ({inputs.shape.name}) has {layers}",
+            fix=f"give a number from 0 to {layers}, true (all), false (none) or auto",
+        )
     offload: Offload | None = None if spec.zero.offload == "auto" else spec.zero.offload
     user = inputs.user_ds_config
     fixed = merge(user or {}, spec.zero.overrides)
@@ -124,7 +131,7 @@ def plan_for_job(
     that does not fit is also planned as LoRA (the job's ``train.lora``), so that the
     refusal can name it; the plan itself never switches method. ``speed`` (the GPU kind and the
     links): the step-time model then predicts the step and chooses hpZ and bucket sizes
-    (planning/zerochoice.py); without it the ZeRO settings stay the defaults.
+    (planning/speed/zerochoice.py); without it the ZeRO settings stay the defaults.
     """
     spec = inputs.spec
     if spec.accelerator == "gpu" and gpu_mem_gib is None:
@@ -158,6 +165,7 @@ def plan_for_job(
             fused_loss=inputs.fused_loss,
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
+            packed=inputs.packing and spec.accelerator == "gpu",
         )
 
     plan = planned(spec.train.method == "lora")

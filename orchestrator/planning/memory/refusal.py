@@ -25,7 +25,7 @@ def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
     lines = [
         f"the job does not fit on {nodes_desc}: {plan.reason}",
         f"least demanding allowed setup: micro-batch {c.micro_batch_size}, gradient checkpointing "
-        f"{'on' if c.gradient_checkpointing else 'off'}, offload {c.offload}, seq {plan.seq_len}, {plan.precision}: "
+        f"{c.checkpointing_words(est.num_layers)}, offload {c.offload}, seq {plan.seq_len}, {plan.precision}: "
         f"{gib(est.gpu_required)} GiB per GPU (peak {gib(est.gpu_peak)} + margins), "
         f"{gib(ranks * est.host_per_rank)} GiB host RAM per node",
     ]
@@ -44,7 +44,7 @@ def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
             f"LoRA would fit on these nodes ({lora_sets(alt.lora)}: r {alt.lora.r} on "
             f"{', '.join(alt.lora.target_modules)}, {a.trainable_params / 1e6:.1f} M trainable parameters): "
             f"micro-batch {ac.micro_batch_size}, "
-            f"gradient checkpointing {'on' if ac.gradient_checkpointing else 'off'}, "
+            f"gradient checkpointing {ac.checkpointing_words(a.num_layers)}, "
             f"offload {ac.offload}: {gib(a.gpu_required)} GiB per GPU (peak {gib(a.gpu_peak)} + margins), "
             f"{gib(max(alt.host_per_node))} GiB host RAM per node"
         )
@@ -54,7 +54,7 @@ def describe_fit_failure(plan: MemoryPlan, nodes_desc: str) -> str:
         lines.append(
             f"offload to NVMe would fit these GPUs and host RAM (ZeRO-Infinity: parameters and optimizer states on "
             f"each node's local disk; the slowest way, every step reads and writes them): micro-batch "
-            f"{dc.micro_batch_size}, gradient checkpointing {'on' if dc.gradient_checkpointing else 'off'}: "
+            f"{dc.micro_batch_size}, gradient checkpointing {dc.checkpointing_words(d.num_layers)}: "
             f"{gib(d.gpu_required)} GiB per GPU, {gib(max(disk.host_per_node))} GiB host RAM per node, "
             f"{gib(max(disk.hardware.slots_per_node) * d.nvme_per_rank)} GiB of NVMe per node "
             "(preflight checks the folder, its free space and bandwidth)"

@@ -14,6 +14,7 @@ from ...spec.job import LoraSpec
 from ..dsconfig import Resolved
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
+from ..speed import recompute
 from .estimate import (
     ALLOCATOR_MARGIN,
     GIB,
@@ -47,30 +48,8 @@ MAX_AUTO_MICRO_BATCH = 1024
 AUTO_MICRO_BATCHES = tuple(range(1, MAX_AUTO_MICRO_BATCH + 1))
 
 
-# Expected-throughput model used only to rank candidates that fit (never to predict
-# tokens/s): time per token ∝ k + C / T, with k = 4/3 under gradient checkpointing
-# (the forward is run twice: 4 passes of work instead of 3) and C the fixed cost of
-# each micro-step, mostly ZeRO-3's two all-gathers and one reduce-scatter of all
-# parameters, which do not grow with the micro-batch. From the outside raw-engine figures
-# (design notes §5, loop not in this repo; checkpointing on: 5,806 tokens/s at micro 2,
-# 6,511 at micro 4, seq 4096):
-# (4/3 + C/8192) / (4/3 + C/16384) = 6511/5806 gives C ≈ 3,000 tokens.
-# Checked later through the trainer: micro 5 and 6 ran 1.020× and 1.044× micro 4's
-# throughput, where this model says 1.025× and 1.042×; with Liger, micro 12 and 20 ran
-# 1.044× and 1.070× micro 6's (8,662 and 8,881 against 8,300; DESIGN §5), where it says
-# 1.044× and 1.062×.
-MICRO_STEP_COST_TOKENS = 3000.0
-
-
-# Without checkpointing the same model with C = 3,000 is far too kind: it ranks micro 1
-# without checkpointing 2 % behind micro 2 with it, measured 30 % behind (4,050 against
-# 5,806 tokens/s/GPU, DESIGN §5), and with Liger micro 2 without it 6 % ahead of micro 6
-# with it, measured 17 % behind (6,850 against 8,300). Fitting k = 1 to those two pairs
-# gives C = 5,900 and 6,300 tokens: its own fixed cost, measured twice, rounded.
-MICRO_STEP_COST_TOKENS_NO_CHECKPOINTING = 6000.0
-
-
-RECOMPUTE_FACTOR = 4.0 / 3.0
+# Ranking the candidates that fit: planning/speed/recompute.py (recompute FLOPs of the checkpointed
+# layers against each micro-step's fixed cost, measured on one H200).
 
 
 # nodes tried when looking for the smallest number that would fit
@@ -125,8 +104,8 @@ class MemoryPlan:
     nvme_alternative: MemoryPlan | None = None
     lora: LoraShape | None = None  # train.method: lora
     largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
-    hpz_partition_size: int = 1  # ZeRO++ hpZ chosen by planning/zerochoice.py (1: off)
-    # The predicted step time and the ZeRO choices' reasons (planning/zerochoice.py's SpeedPlan), if made.
+    hpz_partition_size: int = 1  # ZeRO++ hpZ chosen by planning/speed/zerochoice.py (1: off)
+    # The predicted step time and the ZeRO choices' reasons (planning/speed/zerochoice.py's SpeedPlan), if made.
     speed: Any = None
 
     @property
@@ -164,6 +143,7 @@ class MemoryPlan:
             nvme_path=self.nvme_path if self.choice.offload == "nvme" else None,
             nvme_buffer_elements=self.largest_layer_params if self.choice.offload == "nvme" else None,
             hpz_partition_size=self.hpz_partition_size,
+            checkpointed_layers=self.choice.checkpointed_layers,
         )
 
     def to_dict(self, ds_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -188,6 +168,9 @@ class MemoryPlan:
             },
             "micro_batch_size": self.choice.micro_batch_size,
             "gradient_checkpointing": self.choice.gradient_checkpointing,
+            # of decoder_layers, how many recompute their activations (train.gradient_checkpointing: N)
+            "checkpointed_layers": self.choice.layers_checkpointed(self.estimate.num_layers),
+            "decoder_layers": self.estimate.num_layers,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "train_batch_size": self.train_batch_size,
             "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
@@ -282,10 +265,14 @@ def gib(value: float) -> float:
 
 @dataclass(frozen=True)
 class Allowed:
-    """What the spec leaves to the planner: ``None`` = auto."""
+    """What the spec leaves to the planner: ``None`` = auto.
+
+    ``gradient_checkpointing``: ``True`` (every layer), ``False`` (none) or a number of layers
+    (``train.gradient_checkpointing: N``).
+    """
 
     micro_batch_size: int | None = None
-    gradient_checkpointing: bool | None = None
+    gradient_checkpointing: bool | int | None = None
     offload: Offload | None = None
     nvme: bool = False  # the job names zero.nvme_path: auto may offload there, last
 
@@ -298,27 +285,30 @@ class Allowed:
         # NVMe only after host RAM, and only where preflight found the path usable.
         return OFFLOAD_ORDER + (("nvme",) if self.nvme and nvme_usable else ())
 
-    def checkpointing(self) -> tuple[bool, ...]:
-        return (self.gradient_checkpointing,) if self.gradient_checkpointing is not None else (True, False)
+    def layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Checkpointed layer counts allowed, fewest first (auto: any, 0 to all)."""
+        ckpt = self.gradient_checkpointing
+        if ckpt is None:
+            return tuple(range(num_layers + 1))
+        if isinstance(ckpt, bool):
+            return (num_layers if ckpt else 0,)
+        return (min(ckpt, num_layers),)
 
     def micro_batches(self) -> tuple[int, ...]:
         return (self.micro_batch_size,) if self.micro_batch_size is not None else AUTO_MICRO_BATCHES
 
-    def choices(self, offload: Offload) -> list[Choice]:
-        return [Choice(m, c, offload) for c in self.checkpointing() for m in self.micro_batches()]
-
-    def least_choices(self, offload: Offload) -> list[Choice]:
-        """The smallest allowed micro-batch per checkpointing setting: if none of these fits, nothing does."""
-        return [Choice(min(self.micro_batches()), c, offload) for c in self.checkpointing()]
+    def least_choices(self, offload: Offload, num_layers: int) -> list[Choice]:
+        """The least demanding allowed choice (smallest micro-batch, most layers checkpointed): if it does not fit,
+        nothing does."""
+        return [Choice.with_layers(min(self.micro_batches()), max(self.layer_counts(num_layers)), num_layers, offload)]
 
 
-def expected_cost_per_token(choice: Choice, seq_len: int) -> float:
-    """Relative time per token (lower is faster); ranks candidates of one offload level."""
-    if choice.gradient_checkpointing:
-        k, fixed = RECOMPUTE_FACTOR, MICRO_STEP_COST_TOKENS
-    else:
-        k, fixed = 1.0, MICRO_STEP_COST_TOKENS_NO_CHECKPOINTING
-    return k + fixed / (choice.micro_batch_size * seq_len)
+def expected_cost_per_token(choice: Choice, seq_len: int, num_layers: int, method: str = "full") -> float:
+    """Relative time per token (lower is faster); ranks candidates of one offload level (speed/recompute.py)."""
+    checkpointed = choice.layers_checkpointed(num_layers)
+    return recompute.cost_per_token(
+        choice.micro_batch_size, seq_len, checkpointed, num_layers, recompute.costs_for(method)
+    )
 
 
 def plan_memory(
@@ -333,42 +323,59 @@ def plan_memory(
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
     nvme_path: str | None = None,
+    packed: bool = False,
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
     Order: no offload, then optimizer offload, then full offload (each step costs
     far more throughput than any micro-batch or checkpointing choice: 27× measured for
     full offload, DESIGN §5); within one offload level the candidate with the lowest
-    ``expected_cost_per_token``, i.e. the largest micro-batch that fits, with
-    checkpointing off only where that wins. The user's gradient_accumulation_steps is
+    ``expected_cost_per_token`` among, at each micro-batch, the fewest checkpointed layers that
+    fit (``packed``: the rows are packed, so the varlen attention's extra counts). The work grows
+    as micro-batches × log2(layers) estimates. The user's gradient_accumulation_steps is
     kept as written, so train_batch_size = micro × accumulation × world.
     """
     buckets = Buckets.for_hidden(shape.hidden_size)
     tried: list[tuple[Choice, bool, str]] = []
     best: tuple[float, Estimate] | None = None
+    layers = shape.num_layers
+    counts = allowed.layer_counts(layers)
+    method = "lora" if lora else "full"
+
+    def judged(choice: Choice) -> tuple[bool, Estimate]:
+        est = estimate(
+            shape,
+            choice,
+            seq_len=seq_len,
+            precision=precision,
+            world_size=hardware.world_size,
+            fused_loss=fused_loss,
+            lora=lora,
+            packed=packed,
+        )
+        ok, why = _fits(est, hardware, accelerator)
+        tried.append((choice, ok, why))
+        return ok, est
+
     for offload in allowed.offloads(accelerator, hardware.nvme is not None):
-        too_big: set[bool] = set()  # checkpointing settings whose micro-batch search has ended
-        for choice in allowed.choices(offload):
-            if choice.gradient_checkpointing in too_big:
-                continue
-            est = estimate(
-                shape,
-                choice,
-                seq_len=seq_len,
-                precision=precision,
-                world_size=hardware.world_size,
-                fused_loss=fused_loss,
-                lora=lora,
-            )
-            ok, why = _fits(est, hardware, accelerator)
-            tried.append((choice, ok, why))
-            if ok:
-                cost = expected_cost_per_token(choice, seq_len)
-                if best is None or cost < best[0]:
-                    best = (cost, est)
-            else:
-                # The peak only grows with the micro-batch: no larger one fits either.
-                too_big.add(choice.gradient_checkpointing)
+        for micro in allowed.micro_batches():
+            # The peak only falls as more layers are checkpointed and only grows with the micro-batch,
+            # while the cost grows with the layers: at each micro-batch the fewest layers that fit win.
+            # Bisection over the allowed counts finds them in log2(L) estimates.
+            ok, est = judged(Choice.with_layers(micro, counts[-1], layers, offload))
+            if not ok:
+                break  # most checkpointing does not fit: no larger micro-batch will
+            lo, hi = 0, len(counts) - 1  # counts[hi] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                fits_mid, est_mid = judged(Choice.with_layers(micro, counts[mid], layers, offload))
+                if fits_mid:
+                    hi, est = mid, est_mid
+                else:
+                    lo = mid + 1
+            cost = expected_cost_per_token(est.choice, seq_len, layers, method)
+            if best is None or cost < best[0]:
+                best = (cost, est)
         if best is not None:
             break
     common = dict(
@@ -390,14 +397,16 @@ def plan_memory(
         est = best[1]
         return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware, accelerator), **common)
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora)
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, packed)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
         estimate=least,
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
-        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora),
+        min_nodes=smallest_fitting_nodes(
+            shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, packed
+        ),
         **common,
     )
 
@@ -460,6 +469,7 @@ def _least_demanding(
     accelerator: str,
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
+    packed: bool = False,
 ) -> Estimate:
     """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
 
@@ -484,9 +494,10 @@ def _least_demanding(
             world_size=hardware.world_size,
             fused_loss=fused_loss,
             lora=lora,
+            packed=packed,
         )
         for offload in allowed.offloads(accelerator, hardware.nvme is not None)
-        for choice in allowed.least_choices(offload)
+        for choice in allowed.least_choices(offload, shape.num_layers)
     ]
     return min(options, key=overshoot)
 
@@ -500,6 +511,7 @@ def smallest_fitting_nodes(
     accelerator: str,
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
+    packed: bool = False,
 ) -> int | None:
     """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
 
@@ -510,7 +522,7 @@ def smallest_fitting_nodes(
     for count in range(len(hardware.slots_per_node) + 1, MAX_NODES_SEARCHED + 1):
         bigger = replace(hardware, slots_per_node=(per_node,) * count)
         for offload in allowed.offloads(accelerator, hardware.nvme is not None):
-            for choice in allowed.least_choices(offload):
+            for choice in allowed.least_choices(offload, shape.num_layers):
                 est = estimate(
                     shape,
                     choice,
@@ -519,6 +531,7 @@ def smallest_fitting_nodes(
                     world_size=bigger.world_size,
                     fused_loss=fused_loss,
                     lora=lora,
+                    packed=packed,
                 )
                 if _fits(est, bigger, accelerator)[0]:
                     return count

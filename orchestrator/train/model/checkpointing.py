@@ -45,13 +45,37 @@ def peft_reads_the_old_name() -> Iterator[None]:
         yield
 
 
+def decoder_layers(model) -> list:
+    """The model's decoder layers in forward order (transformers' ``GradientCheckpointingLayer`` instances)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpoint_first(model, count: int | None) -> None:
+    """Recompute the activations of the first ``count`` decoder layers only (``None``: every layer).
+
+    ``train.gradient_checkpointing: N``. Called once checkpointing is enabled on every layer (the
+    Trainer does that before ``on_train_begin``), it turns transformers' per-layer flag off for the
+    layers after the first ``count``; their forward then keeps every activation. The first layers,
+    as Megatron-LM's ``--recompute-method block`` does: which ones are checkpointed does not change
+    the peak (every layer holds the same activations), and the last layers, run in full, are the
+    first ones the backward frees, before any recomputation starts.
+    """
+    layers = decoder_layers(model)
+    if count is None:
+        return
+    if not 0 <= count <= len(layers):
+        raise ValueError(f"{count} layers to checkpoint, the model has {len(layers)}")
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < count
+
+
 def layers_checkpointed(model) -> tuple[int, int]:
     """(layers that recompute their activations, decoder layers): what the model will really do.
 
     Read from transformers' own per-layer flag (``GradientCheckpointingLayer.gradient_checkpointing``),
     which its forward consults, so the log reports the model's state and not the setting asked for.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     return sum(bool(m.gradient_checkpointing) for m in layers), len(layers)

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .memory.estimate import Buckets, LoraShape, estimate
-from .memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
-from .shape import ModelShape
-from .speed.communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
-from .speed.steptime import GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
+from ..memory.estimate import Buckets, LoraShape, estimate
+from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
+from ..shape import ModelShape
+from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
+from .steptime import GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
 
 # Bucket sizes tried on multi-node jobs, as multiples of the hidden²-sized default: fewer,
 # larger reduce-scatters and gathers pay the per-collective latency fewer times; 4× costs
@@ -250,12 +250,25 @@ def _hpz_gib(shape: ModelShape, hpz: int, p: int) -> str:
 
 
 def _with_settings(
-    plan: MemoryPlan, shape: ModelShape, hpz: int, buckets: Buckets, lora: LoraShape | None, micro: int
+    plan: MemoryPlan,
+    shape: ModelShape,
+    hpz: int,
+    buckets: Buckets,
+    lora: LoraShape | None,
+    micro: int,
+    *,
+    every_layer: bool = False,
 ) -> MemoryPlan | None:
-    """The plan re-estimated with these settings, or None when that no longer fits."""
+    """The plan re-estimated with these settings, or None when that no longer fits.
+
+    ``every_layer``: checkpoint all layers where the plan checkpoints some (a larger micro-batch may
+    need more of them recomputed than the plan's own micro-batch did)."""
+    choice = replace(plan.choice, micro_batch_size=micro)
+    if every_layer and choice.gradient_checkpointing:
+        choice = replace(choice, checkpointed_layers=None)
     est = estimate(
         shape,
-        replace(plan.choice, micro_batch_size=micro),
+        choice,
         seq_len=plan.seq_len,
         precision=plan.precision,
         world_size=plan.world_size,
@@ -284,7 +297,7 @@ def _largest_fitting_micro(
     wanted = min(MAX_AUTO_MICRO_BATCH, -(-break_even_tokens(step) // plan.seq_len))
     largest = plan.choice.micro_batch_size
     for micro in range(largest + 1, wanted + 1):
-        if _with_settings(plan, shape, hpz, buckets, lora, micro) is None:
+        if _with_settings(plan, shape, hpz, buckets, lora, micro, every_layer=True) is None:
             break
         largest = micro
     return largest

@@ -1,0 +1,59 @@
+"""What recomputing activations costs, against the fixed cost of a step: the planner's ranking of candidates.
+
+Pure: numbers in, numbers out. Used only to rank candidates that fit (never to predict tokens/s).
+
+Time of one micro-step, in units of the time one token's forward and backward take without
+checkpointing (so the numbers carry over between model sizes):
+
+    work(T, N)  = T · (1 + rho · N / L) + C
+    floor(N)    = F · (1 + N / (2 L))
+    step        = max(work, floor);  cost per token = step / T
+
+* ``rho``: checkpointing every layer runs each layer's forward again, about a third of a layer's
+  FLOPs in full fine-tuning; the measured share comes out between 0.3 and 0.42 (the recomputed
+  kernels run at the same speed as the first forward, the backward is not faster).
+* ``C``: what does not grow with the micro-batch: ZeRO-3's gathers of every parameter for the
+  forward and backward, the reduce-scatter, the optimizer step, the launches.
+* ``F``: a floor under the step, measured with LoRA: ZeRO-3's per-module hooks run on the CPU,
+  once per module for the forward and the backward (and again for a recomputed forward), while the
+  GPU has too little work to hide them. LoRA triples the modules (base, A and B per projection),
+  so there the floor decides small micro-batches; in full fine-tuning it is under the work from
+  micro-batch 4 on.
+
+Fitted (least squares, ``benchmarks/recompute_h200.py --refit``) to the step times measured on one
+H200 (``benchmarks/results/recompute-h200x1-20261203/``: Qwen3-8B layer shapes, seq 4096, ZeRO-3,
+Liger, bf16). Full fine-tuning, 18 layers, micro-batches 4 to 32 and N = 0, 9, 18: rho 0.42,
+C 5,940 tokens (every point within 2 %). LoRA r16 on all 7 projections, 36 layers, micro 8 and 16:
+rho 0.30, C 5,380; its steps at micro 2 and 4 do not shrink with the micro-batch (2.0 s without
+checkpointing, 2.5 s with half the layers, 3.0 s with all), a floor of about 28,000 token-times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The measured constants of one method (see the module docstring), in token-times."""
+
+    rho: float  # recompute share when every layer is checkpointed
+    fixed_tokens: float  # C: per micro-step, independent of its size
+    floor_tokens: float  # F: the step's floor when the GPU has little work (0: never binding)
+
+
+FULL = StepCosts(rho=0.42, fixed_tokens=5940.0, floor_tokens=0.0)
+LORA = StepCosts(rho=0.30, fixed_tokens=5380.0, floor_tokens=28000.0)
+
+
+def costs_for(method: str) -> StepCosts:
+    return LORA if method == "lora" else FULL
+
+
+def cost_per_token(micro_batch_size: int, seq_len: int, checkpointed: int, num_layers: int, costs: StepCosts) -> float:
+    """Relative time per token of a micro-step (lower is faster); ``checkpointed`` of ``num_layers`` recompute."""
+    tokens = micro_batch_size * seq_len
+    share = checkpointed / num_layers if num_layers else 0.0
+    work = tokens * (1 + costs.rho * share) + costs.fixed_tokens
+    floor = costs.floor_tokens * (1 + share / 2)
+    return max(work, floor) / tokens

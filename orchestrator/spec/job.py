@@ -58,8 +58,8 @@ DataFormat = Literal["alpaca", "messages", "sharegpt"]
 # is in the row's ``prompt`` column). The row formats themselves: orchestrator/planning/datarows.py.
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "input", "output", "system", "history"),
-    "messages": ("messages", "role", "content"),
-    "sharegpt": ("conversations", "from", "value", "system"),
+    "messages": ("messages", "role", "content", "reasoning_content"),
+    "sharegpt": ("conversations", "from", "value", "system", "reasoning_content"),
 }
 HUB_PREFIX = "hf:"
 
@@ -100,6 +100,12 @@ class DataSpec(_Strict):
     shipped_from: str | None = None  # as DataSource.shipped_from, for data.path
     # Where the nodes keep tokenized data (train/data/cache.py). None: <output_dir>/data-cache.
     cache_dir: str | None = None
+    # The chat template (planning/chattemplate.py): auto (the tokenizer's own) | chatml | plain | PATH.jinja.
+    template: str = Field("auto", min_length=1)
+    # Passed to the template as enable_thinking (Qwen3's switch); auto: not passed (README: reasoning rows).
+    enable_thinking: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    # Written by dzctl launch: a PATH.jinja template's text, so the nodes need no copy of the file.
+    template_text: str | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> DataSpec:
@@ -117,6 +123,13 @@ class DataSpec(_Strict):
                 raise ValueError("synthetic:random is a data.path of its own, not one of data.sources")
             _check_columns(source.columns or {}, source.format or self.format)
         return self
+
+    @field_validator("enable_thinking", mode="before")
+    @classmethod
+    def _thinking_is_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("must be true, false or auto")
+        return value
 
     @field_validator("cache_dir")
     @classmethod
@@ -177,6 +190,10 @@ class TrainSpec(_Strict):
     max_seq_len: int = Field(2048, ge=8)
     micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"  # noqa: UP007
     gradient_accumulation_steps: int = Field(1, ge=1)
+    # A global batch that does not change with the hardware (planning/memory/globalbatch.py): rows, or
+    # tokens (rows of max_seq_len) per optimizer step; the planner picks micro-batch and accumulation.
+    global_batch_size: int | None = Field(None, ge=1)
+    global_batch_tokens: int | None = Field(None, ge=1)
     epochs: float = Field(1.0, gt=0)
     max_steps: int = Field(-1, ge=-1)  # -1: run ``epochs`` over the data
     learning_rate: float = Field(1e-5, gt=0)
@@ -216,6 +233,12 @@ class TrainSpec(_Strict):
         if isinstance(value, str) and value != "auto":
             raise ValueError("must be true, false or auto")
         return value
+
+    @model_validator(mode="after")
+    def _one_global_batch(self) -> TrainSpec:
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise ValueError("give train.global_batch_size (rows) or train.global_batch_tokens, not both")
+        return self
 
 
 class ZeroSpec(_Strict):

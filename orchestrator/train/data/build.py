@@ -5,8 +5,8 @@ in chunks of ``CHUNK``, encoded by a pool of worker processes (one per core: the
 other ranks are waiting meanwhile), and each encoded chunk is appended to the files at
 once. What stays in memory grows with the number of examples, not tokens: a length (4
 bytes) and a source index (2 bytes) per example, plus the packer's lists at the end
-(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding is today's
-``conversations.encode`` with the tokenizer called once per chunk (``encode_batch``), so the
+(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding is
+``chat.encode_rows`` with the tokenizer called once per chunk (``encode_batch``), so the
 tokens and labels are exactly those of the in-memory path (tests/test_data_cache.py holds
 them to it); so is the packing (``packing.pack`` on the same lengths and seed).
 
@@ -35,10 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from ...planning.chattemplate import AUTO, ChatTemplate
 from ...planning.datafiles import Malformed
-from ...planning.datarows import DataError, to_messages
+from ...planning.datarows import DataError, to_turns
 from . import packing, sources
-from .conversations import IGNORE, Conversation, renderer
+from .chat import IGNORE, ChatRenderer, TurnStats, encode_rows, make_renderer
+from .conversations import Conversation
 from .mix import mix_counts
 
 CHUNK = 256  # conversations per task handed to a worker
@@ -57,6 +59,8 @@ class BuildSettings:
     seed: int
     on_error: str  # fail | skip
     window: int = packing.DEFAULT_WINDOW
+    template: ChatTemplate | None = None  # data.template resolved (None: auto)
+    enable_thinking: object = AUTO  # data.enable_thinking
 
 
 @dataclass
@@ -69,6 +73,9 @@ class SourceStats:
     skipped: int = 0
     truncated_away: int = 0
     untrained_turns: int = 0
+    split_rows: int = 0  # rows made into several examples (a template that re-renders history)
+    reasoning_turns: int = 0
+    reasoning_dropped: int = 0  # data.enable_thinking: false
     tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,65 +102,20 @@ _WORKER: dict[str, Any] = {}
 
 
 def encode_batch(
-    conversations: list[Conversation], tokenizer: Any, max_len: int
-) -> list[tuple[list[int], list[int], int]]:
-    """``conversations.encode`` of each conversation, with one tokenizer call for the whole batch.
-
-    The same renderings, spans and pieces as ``encode`` (so the same ids and labels: each piece
-    is tokenized on its own either way), minus its per-call overhead: the pieces of every
-    conversation go to the tokenizer's batch encoder at once, and the last assistant turn's
-    rendering is the full one (rendering the whole conversation twice gave the same text).
-    """
-    render = renderer(tokenizer)
-    pieces: list[str] = []
-    plans: list[tuple[list[tuple[int, bool]], int]] = []
-    for conversation in conversations:
-        messages = [{"role": role, "content": content} for role, content in conversation.messages]
-        full = render(messages, False)
-        spans: list[tuple[int, int]] = []
-        untrained = 0
-        last = len(messages) - 1
-        for index, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prefix = render(messages[:index], True)
-            upto = full if index == last else render(messages[: index + 1], False)
-            if upto.startswith(prefix) and full.startswith(upto) and len(upto) > len(prefix):
-                spans.append((len(prefix), len(upto)))
-            else:
-                untrained += 1
-        segments: list[tuple[int, bool]] = []
-        cursor = 0
-        for start, end in spans:
-            for piece, trained in ((full[cursor:start], False), (full[start:end], True)):
-                if piece:
-                    segments.append((len(pieces), trained))
-                    pieces.append(piece)
-            cursor = end
-        if full[cursor:]:
-            segments.append((len(pieces), False))
-            pieces.append(full[cursor:])
-        plans.append((segments, untrained))
-    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
-    out = []
-    for segments, untrained in plans:
-        ids: list[int] = []
-        labels: list[int] = []
-        for index, trained in segments:
-            piece_ids = encoded[index]
-            ids.extend(piece_ids)
-            labels.extend(piece_ids if trained else [IGNORE] * len(piece_ids))
-        out.append((ids[:max_len], labels[:max_len], untrained))
-    return out
+    conversations: list[Conversation], tokenizer: Any, max_len: int, renderer: ChatRenderer, stats: TurnStats
+) -> list[tuple[list[int], list[int]]]:
+    """Every example of these conversations, as ``conversations.encode_all`` makes them (one tokenizer call)."""
+    rows = encode_rows([(c.messages, c.reasoning) for c in conversations], tokenizer, renderer, max_len, stats)
+    return [example for row in rows for example in row.examples]
 
 
-def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, TurnStats]:
     tokenizer, max_len, dtype, bit = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER["dtype"], _WORKER["bit"]
     pieces: list[np.ndarray] = []
     lengths: list[int] = []
-    truncated = untrained = 0
-    for ids, labels, skipped_turns in encode_batch(conversations, tokenizer, max_len):
-        untrained += skipped_turns
+    truncated = 0
+    stats = TurnStats()
+    for ids, labels in encode_batch(conversations, tokenizer, max_len, _WORKER["renderer"], stats):
         values = np.asarray(ids, dtype=np.int64)
         trained = np.asarray(labels, dtype=np.int64) != IGNORE
         if not trained.any():
@@ -162,7 +124,7 @@ def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.nda
         pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
         lengths.append(len(ids))
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), truncated, untrained
+    return tokens, np.asarray(lengths, dtype=np.int64), truncated, stats
 
 
 def _quiet_tokenizer() -> None:
@@ -208,7 +170,8 @@ def build(
             available.append(min(counted, source.spec.max_rows or counted))
         take = list(mix_counts(available, [s.spec.weight for s in found]))
     workers = worker_count() if workers is None else workers
-    _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit)
+    chat = make_renderer(tokenizer, settings.template, settings.enable_thinking)
+    _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit, renderer=chat)
     # fork: the workers inherit the tokenizer as it is (no pickling, no re-import of transformers).
     # gc.freeze: the workers' collector then never walks (and so never copies) the objects they share
     # with this rank through fork (torch, transformers, the tokenizer): their pages stay shared.
@@ -228,7 +191,7 @@ def build(
             def drain(limit: int) -> None:
                 while len(pending) > limit:
                     index, result = pending.popleft()
-                    tokens, chunk_lengths, truncated, untrained = result.get()
+                    tokens, chunk_lengths, truncated, turns = result.get()
                     tokens.tofile(tokens_out)
                     lengths.extend(chunk_lengths.tolist())
                     source_of.extend([index] * len(chunk_lengths))
@@ -236,7 +199,10 @@ def build(
                     stat.examples += len(chunk_lengths)
                     stat.tokens += int(chunk_lengths.sum())
                     stat.truncated_away += truncated
-                    stat.untrained_turns += untrained
+                    stat.untrained_turns += turns.untrained_turns
+                    stat.split_rows += turns.split_rows
+                    stat.reasoning_turns += turns.reasoning_turns
+                    stat.reasoning_dropped += turns.reasoning_dropped
 
             def submit(index: int, chunk: list[Conversation]) -> None:
                 if pool is None:
@@ -256,7 +222,7 @@ def build(
                     try:
                         if isinstance(row, Malformed):
                             raise DataError(f"{where}: {row.reason}")
-                        messages = to_messages(row, source.spec.format or "alpaca", where, source.spec.columns)
+                        messages, reasoning = to_turns(row, source.spec.format or "alpaca", where, source.spec.columns)
                     except DataError as exc:
                         if settings.on_error == "fail":
                             raise DataError(exc.message, fix=exc.fix or BAD_ROW_FIX) from None
@@ -264,7 +230,7 @@ def build(
                         if len(skipped_lines) < 20:
                             skipped_lines.append(str(exc))
                         continue
-                    chunk.append(Conversation(messages, where))
+                    chunk.append(Conversation(messages, where, reasoning))
                     if len(chunk) >= CHUNK:
                         submit(source.index, chunk)
                         chunk = []
@@ -295,6 +261,7 @@ def build(
         "sources": [s.as_dict() for s in stats],
         "build_s": round(time.monotonic() - started, 2),
         "workers": workers,
+        "template": chat.description,
     }
     if settings.packing:
         rows = packing.pack(lengths.tolist(), settings.max_seq_len, settings.seed, settings.window)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DzError, RuntimeFailure
+from ...planning.chattemplate import node_chat_template
 from ...planning.datarows import DataError
 from ...spec.job import LoadedJob
 from . import cache, sources
@@ -72,6 +73,9 @@ def key_material(found: list[sources.Source], tokenizer: Any, settings: BuildSet
         "window": settings.window if settings.packing else None,
         "seed": settings.seed if settings.packing else None,  # only packing's shuffle uses it
         "on_error": settings.on_error,
+        # data.template and data.enable_thinking decide every label (the tokenizer's own template is above).
+        "template": [settings.template.name, settings.template.digest] if settings.template else None,
+        "enable_thinking": settings.enable_thinking,
     }
     fingerprints.save()
     return material
@@ -87,7 +91,14 @@ def prepare(
     say: Callable[[str], None],
 ) -> Prepared:
     spec = loaded.spec
-    settings = BuildSettings(spec.train.max_seq_len, packing, spec.train.seed, spec.data.on_error)
+    settings = BuildSettings(
+        spec.train.max_seq_len,
+        packing,
+        spec.train.seed,
+        spec.data.on_error,
+        template=node_chat_template(loaded),
+        enable_thinking=spec.data.enable_thinking,
+    )
     cache_dir.mkdir(parents=True, exist_ok=True)
     note = cache.RunNote(cache_dir, cache.launch_token())
     if local_rank != 0:

@@ -439,6 +439,14 @@ def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict
     }
 
 
+def global_batch_note(spec, settings: Settings, ranks: Ranks) -> str:
+    """The global batch as the view shows it: fixed by the spec, or what this hardware made it."""
+    rows = settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
+    fixed = spec.train.global_batch_size is not None or spec.train.global_batch_tokens is not None
+    how = "fixed by train.global_batch_size/_tokens" if fixed else "depends on the hardware"
+    return f"global batch {rows} rows ({how})"
+
+
 def model_config(loaded: LoadedJob):
     """The architecture: ``model.config`` (random init with ``model_type``) or the named model's, overridden."""
     model_spec = loaded.spec.model
@@ -633,7 +641,8 @@ def train(
             f"dzctl-train: {ranks.world_size} ranks, micro-batch {settings.micro_batch_size}, "
             f"accumulation {settings.gradient_accumulation_steps}, {settings.precision}, "
             f"gradient checkpointing {settings.gradient_checkpointing}, DeepSpeed config {settings.ds_config_source}, "
-            f"resume from {resume.path if resume else 'nothing (fresh start)'}",
+            f"resume from {resume.path if resume else 'nothing (fresh start)'}; "
+            f"{global_batch_note(spec, settings, ranks)}",
             flush=True,
         )
     # Tokenizer, architecture and data first: a bad row or vocabulary fails in

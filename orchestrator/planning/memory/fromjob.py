@@ -13,6 +13,7 @@ from typing import Any
 from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
+from . import globalbatch
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
@@ -45,6 +46,16 @@ def allowed_from(inputs: JobInputs) -> Allowed:
         offload=offload,
         nvme=spec.zero.nvme_path is not None,
     )
+
+
+def _no_batch_in_user_config(inputs: JobInputs, batch: globalbatch.GlobalBatch) -> None:
+    fixed = merge(inputs.user_ds_config or {}, inputs.spec.zero.overrides)
+    for key in ("train_batch_size", "gradient_accumulation_steps"):
+        if isinstance(fixed.get(key), int) and not isinstance(fixed.get(key), bool):
+            raise globalbatch.GlobalBatchImpossible(
+                f"{batch.key} and the DeepSpeed config's {key} {fixed[key]} both fix the batch",
+                fix=f'set {key} to "auto" in zero.config/zero.overrides, or drop {batch.key}',
+            )
 
 
 def nvme_bytes_per_node(inputs: JobInputs, ranks_per_node: int, world_size: int) -> int:
@@ -131,6 +142,12 @@ def plan_for_job(
     lora = LoraShape.from_spec(spec.train.lora)
     allowed = allowed_from(inputs)
     precision = precision_for(inputs, bf16_supported=bf16_supported)
+    batch = globalbatch.global_batch(spec)
+    accumulation = globalbatch.fixed_accumulation(spec)
+    free = allowed
+    if batch is not None:
+        _no_batch_in_user_config(inputs, batch)
+        allowed = globalbatch.constrain(allowed, batch, hardware.world_size, accumulation)
 
     def planned(as_lora: bool, allowed: Allowed = allowed, hardware: Hardware = hardware) -> MemoryPlan:
         return plan_memory(
@@ -147,6 +164,17 @@ def plan_for_job(
         )
 
     plan = planned(spec.train.method == "lora")
+    if batch is not None:
+        if plan.fits:
+            steps = globalbatch.accumulation_for(batch, plan.choice.micro_batch_size, plan.world_size)
+            plan = replace(plan, gradient_accumulation_steps=steps, global_batch_key=batch.key)
+            spec = spec.model_copy(
+                update={"train": spec.train.model_copy(update={"gradient_accumulation_steps": steps})}
+            )
+        else:
+            unconstrained = planned(spec.train.method == "lora", free)
+            largest = unconstrained.choice.micro_batch_size if unconstrained.fits else None
+            globalbatch.refuse_unfit(batch, hardware.world_size, accumulation, largest)
     if not plan.fits and spec.train.method == "full":
         alternative = planned(True)
         if alternative.fits:

@@ -125,6 +125,8 @@ class MemoryPlan:
     nvme_alternative: MemoryPlan | None = None
     lora: LoraShape | None = None  # train.method: lora
     largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
+    # The spec key that fixed the global batch (globalbatch.py); None: micro × accumulation × world, as it falls.
+    global_batch_key: str | None = None
 
     @property
     def nvme_step_s(self) -> float | None:
@@ -186,6 +188,9 @@ class MemoryPlan:
             "gradient_checkpointing": self.choice.gradient_checkpointing,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "train_batch_size": self.train_batch_size,
+            # train_batch_size × seq_len; fixed by train.global_batch_size/_tokens, else it depends on the hardware
+            "global_batch_tokens": self.train_batch_size * self.seq_len,
+            "global_batch_fixed_by": self.global_batch_key,
             "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
             "offload": self.choice.offload,  # none | optimizer | all (host RAM) | nvme
             "method": self.estimate.method,
@@ -283,6 +288,8 @@ class Allowed:
     gradient_checkpointing: bool | None = None
     offload: Offload | None = None
     nvme: bool = False  # the job names zero.nvme_path: auto may offload there, last
+    # The micro-batches auto may try (ascending; None: 1..MAX_AUTO_MICRO_BATCH): a fixed global batch's divisors.
+    micro_candidates: tuple[int, ...] | None = None
 
     def offloads(self, accelerator: str, nvme_usable: bool = False) -> tuple[Offload, ...]:
         if self.offload is not None:
@@ -297,7 +304,9 @@ class Allowed:
         return (self.gradient_checkpointing,) if self.gradient_checkpointing is not None else (True, False)
 
     def micro_batches(self) -> tuple[int, ...]:
-        return (self.micro_batch_size,) if self.micro_batch_size is not None else AUTO_MICRO_BATCHES
+        if self.micro_batch_size is not None:
+            return (self.micro_batch_size,)
+        return self.micro_candidates if self.micro_candidates is not None else AUTO_MICRO_BATCHES
 
     def choices(self, offload: Offload) -> list[Choice]:
         return [Choice(m, c, offload) for c in self.checkpointing() for m in self.micro_batches()]

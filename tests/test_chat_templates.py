@@ -248,3 +248,44 @@ def test_a_template_file_that_is_missing_or_does_not_render_is_refused_before_an
     assert (f"{template_file}:{line}:" if line else str(template_file)) in done.stderr, done.stderr
     assert words in done.stderr and "fix:" in done.stderr
     assert not marks.exists(), f"ran on a host: {marks.read_text()}"
+
+
+def test_a_template_file_travels_inside_the_nodes_job_yaml(tmp_path):
+    import yaml
+
+    from orchestrator.backends.jobfiles import node_spec
+    from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.chattemplate import node_chat_template
+    from orchestrator.planning.inputs import read_inputs
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.planning.resolve import resolve_job
+    from orchestrator.spec.hostfile import load_nodes
+    from orchestrator.spec.job import load_job
+
+    (tmp_path / "templates").mkdir()
+    qwen3 = (FIXTURES / "qwen3.jinja").read_text(encoding="utf-8")
+    (tmp_path / "templates" / "qwen3.jinja").write_text(qwen3, encoding="utf-8")
+    (tmp_path / "data.jsonl").write_text('{"instruction": "i", "output": "o"}\n', encoding="utf-8")
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        "name: demo\nruntime: process\naccelerator: cpu\nmodel:\n  name_or_path: tiny\n  init: random\n"
+        "  tokenizer: builtin:byte-level\n  config: {model_type: qwen3, vocab_size: 384, hidden_size: 64, "
+        "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}\n"
+        "data:\n  path: data.jsonl\n  template: templates/qwen3.jinja\n  enable_thinking: false\n",
+        encoding="utf-8",
+    )
+    inputs = read_inputs(load_job(job_file))
+    assert inputs.chat_template.text == qwen3
+    nodes = load_nodes(tmp_path / "hosts.txt")
+    memory, ds_config = memory_choice(inputs, nodes, None, None)
+    plan = make_plan(inputs.spec, nodes, "j-20260101-0000-abcd")
+    written = node_spec(resolve_job(inputs, nodes, memory, ds_config, plan, None), plan.nodes[0])
+    assert written["data"]["template"] == "templates/qwen3.jinja" and written["data"]["template_text"] == qwen3
+    # The node reads it from its job.yaml, where no templates/ folder exists.
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / "job.yaml").write_text(yaml.safe_dump(written, sort_keys=False), encoding="utf-8")
+    on_node = node_chat_template(load_job(node / "job.yaml"))
+    assert (on_node.name, on_node.text) == ("templates/qwen3.jinja", qwen3)
+    assert load_job(node / "job.yaml").spec.data.enable_thinking is False

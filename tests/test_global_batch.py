@@ -135,3 +135,25 @@ def test_both_keys_are_refused_at_load(tmp_path, job):
     done = dzctl(tmp_path, job, "1x2-h200", "--set", "train.global_batch_tokens=1048576")
     assert done.exit_code == 2
     assert "give train.global_batch_size (rows) or train.global_batch_tokens, not both" in done.output
+
+
+def test_launch_refuses_a_batch_that_cannot_split_before_any_host_is_touched(tmp_path, job):
+    import os
+    import subprocess
+    import sys
+
+    bin_dir, marks = tmp_path / "bin", tmp_path / "ran"
+    bin_dir.mkdir()
+    for name in ("docker", "ssh", "scp", "torchrun", "deepspeed", "nvidia-smi"):
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} >> {marks}\n")
+        (bin_dir / name).chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(HARDWARE["2x4-a100-40gb"][0], encoding="utf-8")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    argv = ["launch", str(job), "--hosts", str(hosts), "--set", "train.global_batch_size=250"]
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "248 or 256" in done.stderr and "Traceback" not in done.stderr
+    assert not marks.exists(), f"ran on a host: {marks.read_text()}"

@@ -58,6 +58,16 @@ def _no_batch_in_user_config(inputs: JobInputs, batch: globalbatch.GlobalBatch) 
             )
 
 
+def check_global_batch(inputs: JobInputs, slots_per_node: Sequence[int]) -> None:
+    """Refuse a global batch that cannot split on these ranks at all: the launch calls it before preflight."""
+    batch = globalbatch.global_batch(inputs.spec)
+    if batch is not None:
+        _no_batch_in_user_config(inputs, batch)
+        globalbatch.constrain(
+            allowed_from(inputs), batch, sum(slots_per_node), globalbatch.fixed_accumulation(inputs.spec)
+        )
+
+
 def nvme_bytes_per_node(inputs: JobInputs, ranks_per_node: int, world_size: int) -> int:
     """What offload to NVMe keeps on each node's disk (it depends on the model and the GPUs, not the batch)."""
     spec = inputs.spec

@@ -1,23 +1,25 @@
-"""A conversation → training examples through a chat template, labels aligned by tokens (no torch).
+"""A conversation → training examples through a chat template, labels on the tokens themselves (no torch).
 
 For every assistant turn *i* the template renders two texts: the conversation before the turn
 with the generation prompt (``prompt_i``) and the conversation up to and including it
-(``upto_i``). Both are tokenized; the turn's trained tokens are those of ``upto_i`` after its
-longest common token prefix with ``prompt_i``. Comparing tokens, not strings, keeps the labels
-on the ids the model really sees, even where the tokenizer merges characters across the
-prompt's end.
+(``upto_i``). The turn's answer is the part of ``upto_i`` after ``prompt_i``. Turns go into one
+example while the example's text so far is a prefix of the next turn's prompt (ChatML, Llama 3:
+the history stays as it was). A template that re-renders the history (Qwen3 drops earlier
+turns' reasoning, and renders a finished turn without its think block) breaks that: the row is
+then split, and turn *i* starts a new example whose prompt is the history exactly as the
+template renders it at inference. So every assistant turn is trained, each in the context the
+model will see.
 
-Turns go into one example while each rendering extends the previous one token for token
-(ChatML, Llama 3: the history stays as it was). A template that re-renders the history
-(Qwen3 drops earlier turns' reasoning, and renders a finished turn without its think block)
-makes ``upto_{i-1}`` no prefix of ``upto_i``: the row is then split, and turn *i* starts a new
-example whose prompt is the history exactly as the template renders it at inference. So
-every assistant turn is trained, each in the context the model will see.
+Each example's text is then tokenized once, whole, and a token is trained where its characters
+overlap an answer (the fast tokenizer's offsets): the labels sit on the ids of the sequence
+itself, so a token that merges across the prompt's end is the answer's first token, not a
+token cut in two. Tokenizing the prompt and the answer apart (the old encoder) gave ids the
+text never tokenizes to. A slow tokenizer (no offsets) falls back to pieces cut at the spans.
 
-Cost per row of *T* assistant turns and *L* tokens: 2*T* renderings and 2*T* tokenized texts
-of up to *L* tokens, so O(T·L) tokens through the tokenizer (one call per chunk of rows), against
-O(L) for a single-turn row; a re-rendering template adds the split examples' repeated prompts to
-the training tokens.
+Cost per row of *T* assistant turns and *L* tokens: 2*T* renderings (Jinja, each up to the
+row's length, so O(T·L) characters) and one tokenization of each example: *L* tokens for a row
+that stays one example, about (*T*+1)/2·*L* for one split per turn (its history repeated, and
+trained on, in each example). The tokenizer is called once per chunk of rows.
 
 Reasoning: an assistant turn's ``reasoning_content`` goes to the template under that key when
 the template reads it (Qwen3's does); for one that does not, it is kept as a
@@ -26,7 +28,7 @@ than dropped. ``data.enable_thinking`` reaches the template as ``enable_thinking
 for ``auto``); ``false`` also removes every turn's reasoning (``reasoning_content`` and a
 ``<think>`` block in the content), as LLaMA-Factory's ``enable_thinking: false`` does, so
 under Qwen3's template the empty think block lands in the prompt (no loss). README.md,
-"Chat templates", has the decision and its sources.
+"Chat templates and reasoning", has the decision and its sources.
 """
 
 from __future__ import annotations
@@ -179,44 +181,102 @@ def encode_rows(
     stats: TurnStats,
 ) -> list[EncodedRow]:
     """Each row (its turns and their reasoning) as examples, with one tokenizer call for all their texts."""
-    texts: list[str] = []
-    plans: list[int] = []  # assistant turns per row
-    for messages, reasoning in rows:
-        pairs = renderings(template_messages(messages, reasoning, renderer, stats), renderer)
-        plans.append(len(pairs))
-        for prompt, upto in pairs:
-            texts += [prompt, upto]
-    tokens = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    out = []
-    cursor = 0
-    for turns in plans:
-        row = EncodedRow()
-        ids: list[int] = []
-        labels: list[int] = []
-        split = False
-        for _ in range(turns):
-            prompt, upto = tokens[cursor], tokens[cursor + 1]
-            cursor += 2
-            start = _common_prefix(prompt, upto)
-            if start == len(upto):
-                stats.untrained_turns += 1
-            if ids and upto[: len(ids)] != ids:
-                # The template re-rendered the history: this turn starts an example of its own.
-                row.examples.append((ids[:max_len], labels[:max_len]))
-                ids, labels, split = [], [], True
-            base = len(ids)
-            labels += [token if position >= start else IGNORE for position, token in enumerate(upto[base:], base)]
-            ids += upto[base:]
-        if ids:
-            row.examples.append((ids[:max_len], labels[:max_len]))
-        stats.split_rows += split
+    plans = [example_plan(renderings(template_messages(m, r, renderer, stats), renderer), stats) for m, r in rows]
+    texts = [text for plan in plans for text, _ in plan]
+    if getattr(tokenizer, "is_fast", False):
+        labelled = _label_by_offsets(tokenizer, texts, [spans for plan in plans for _, spans in plan])
+    else:
+        labelled = _label_by_pieces(tokenizer, texts, [spans for plan in plans for _, spans in plan])
+    out, cursor = [], 0
+    for plan in plans:
+        row = EncodedRow([(ids[:max_len], labels[:max_len]) for ids, labels in labelled[cursor : cursor + len(plan)]])
+        cursor += len(plan)
         out.append(row)
     return out
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    if b[: len(a)] == a:  # the usual case, compared at C speed
-        return len(a)
+Spans = list[tuple[int, int]]  # character ranges of an example's text that are trained
+
+
+def example_plan(pairs: list[tuple[str, str]], stats: TurnStats) -> list[tuple[str, Spans]]:
+    """The examples of one row: each example's text and its trained spans, from ``(prompt_i, upto_i)``.
+
+    A turn joins the current example when the example's text so far is a prefix of the turn's prompt
+    (the template kept the history as it was); otherwise it starts a new one, whose text is the
+    history as the template re-rendered it. The turn's span runs from where its prompt ends (where
+    the prompt is not a prefix of the turn's rendering: from where the two first differ) to the end
+    of its rendering.
+    """
+    examples: list[tuple[str, Spans]] = []
+    text, spans = "", []
+    for prompt, upto in pairs:
+        if text and not prompt.startswith(text):
+            examples.append((text, spans))
+            text, spans = "", []
+            stats.split_rows += len(examples) == 1  # count the row once
+        start = len(prompt) if upto.startswith(prompt) else _common_chars(prompt, upto)
+        if start >= len(upto):
+            stats.untrained_turns += 1
+        else:
+            spans.append((start, len(upto)))
+        text = upto
+    if text:
+        examples.append((text, spans))
+    return examples
+
+
+def _label_by_offsets(tokenizer: Any, texts: list[str], spans: list[Spans]) -> list[tuple[list[int], list[int]]]:
+    """Tokenize each whole text once; a token is trained where its characters overlap a trained span.
+
+    The labels follow the tokens of the sequence itself: a token that straddles the end of the
+    prompt (a merge across it) is the first token of the answer, and is trained.
+    """
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for ids, offsets, trained in zip(encoded["input_ids"], encoded["offset_mapping"], spans, strict=True):
+        labels = [IGNORE] * len(ids)
+        position = 0
+        for start, end in trained:
+            while position < len(ids) and offsets[position][1] <= start:
+                position += 1
+            while position < len(ids) and offsets[position][0] < end:
+                labels[position] = ids[position]
+                position += 1
+        out.append((ids, labels))
+    return out
+
+
+def _label_by_pieces(tokenizer: Any, texts: list[str], spans: list[Spans]) -> list[tuple[list[int], list[int]]]:
+    """A tokenizer without offsets (a slow, Python one): the text's pieces at the span edges, each tokenized."""
+    pieces: list[str] = []
+    layout: list[list[tuple[int, bool]]] = []
+    for text, trained in zip(texts, spans, strict=True):
+        parts, cursor = [], 0
+        for start, end in trained:
+            for piece, is_trained in ((text[cursor:start], False), (text[start:end], True)):
+                if piece:
+                    parts.append((len(pieces), is_trained))
+                    pieces.append(piece)
+            cursor = end
+        if text[cursor:]:
+            parts.append((len(pieces), False))
+            pieces.append(text[cursor:])
+        layout.append(parts)
+    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
+    out = []
+    for parts in layout:
+        ids: list[int] = []
+        labels: list[int] = []
+        for index, is_trained in parts:
+            ids += encoded[index]
+            labels += encoded[index] if is_trained else [IGNORE] * len(encoded[index])
+        out.append((ids, labels))
+    return out
+
+
+def _common_chars(a: str, b: str) -> int:
     n = min(len(a), len(b))
     for position in range(n):
         if a[position] != b[position]:

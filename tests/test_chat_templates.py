@@ -289,3 +289,26 @@ def test_a_template_file_travels_inside_the_nodes_job_yaml(tmp_path):
     on_node = node_chat_template(load_job(node / "job.yaml"))
     assert (on_node.name, on_node.text) == ("templates/qwen3.jinja", qwen3)
     assert load_job(node / "job.yaml").spec.data.enable_thinking is False
+
+
+def test_a_row_the_tokenizers_own_template_cannot_render_names_the_row(tmp_path):
+    from orchestrator.planning.datarows import DataError
+    from orchestrator.spec.job import DataSource
+
+    strict = build_byte_level_tokenizer()
+    # data.template: auto, and the model's own template refuses system turns (as Gemma's and Mistral's do).
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    path = tmp_path / "rows.jsonl"
+    rows = [{"instruction": "i", "output": "o"}, {"instruction": "i", "output": "o", "system": "be brief"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    source = Source(0, DataSource(path=str(path), format="alpaca", columns={}), str(path), "json")
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    with pytest.raises(DataError) as refused:  # raised in a worker of the pool, and carried back whole
+        build([source], strict, BuildSettings(256, False, 0, "fail"), folder, print, lambda _: None, workers=2)
+    assert str(refused.value).startswith(f"{path}:row 2: the chat template (auto: the tokenizer's own (sha256 ")
+    assert "does not render this row: TemplateError: no system role" in str(refused.value)
+    assert "set data.template" in refused.value.fix

@@ -105,7 +105,8 @@ def encode_batch(
     conversations: list[Conversation], tokenizer: Any, max_len: int, renderer: ChatRenderer, stats: TurnStats
 ) -> list[tuple[list[int], list[int]]]:
     """Every example of these conversations, as ``conversations.encode_all`` makes them (one tokenizer call)."""
-    rows = encode_rows([(c.messages, c.reasoning) for c in conversations], tokenizer, renderer, max_len, stats)
+    turns = [(c.messages, c.reasoning) for c in conversations]
+    rows = encode_rows(turns, tokenizer, renderer, max_len, stats, [c.where for c in conversations])
     return [example for row in rows for example in row.examples]
 
 

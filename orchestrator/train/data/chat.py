@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...planning.chattemplate import AUTO, ChatTemplate
+from ...planning.datarows import DataError
 
 IGNORE = -100
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -179,9 +180,24 @@ def encode_rows(
     renderer: ChatRenderer,
     max_len: int,
     stats: TurnStats,
+    wheres: Sequence[str] | None = None,
 ) -> list[EncodedRow]:
-    """Each row (its turns and their reasoning) as examples, with one tokenizer call for all their texts."""
-    plans = [example_plan(renderings(template_messages(m, r, renderer, stats), renderer), stats) for m, r in rows]
+    """Each row (its turns and their reasoning) as examples, with one tokenizer call for all their texts.
+
+    ``wheres`` names the rows (``file:row N``) for the error when the template cannot render one.
+    """
+    plans = []
+    for index, (messages, reasoning) in enumerate(rows):
+        try:
+            pairs = renderings(template_messages(messages, reasoning, renderer, stats), renderer)
+        except Exception as exc:  # the template's own error (raise_exception, a missing key, ...)
+            where = wheres[index] if wheres else f"row {index + 1}"
+            raise DataError(
+                f"{where}: the chat template ({renderer.description}) does not render this row: "
+                f"{type(exc).__name__}: {exc}",
+                fix="fix the row, or set data.template to a template that renders it (auto, chatml, plain, PATH.jinja)",
+            ) from None
+        plans.append(example_plan(pairs, stats))
     texts = [text for plan in plans for text, _ in plan]
     if getattr(tokenizer, "is_fast", False):
         labelled = _label_by_offsets(tokenizer, texts, [spans for plan in plans for _, spans in plan])

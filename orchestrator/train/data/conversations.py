@@ -126,7 +126,7 @@ def encode_all(
     out = Encoded()
     renderer = renderer or make_renderer(tokenizer)
     rows = [(c.messages, c.reasoning) for c in conversations]
-    for row in encode_rows(rows, tokenizer, renderer, max_len, out.stats):
+    for row in encode_rows(rows, tokenizer, renderer, max_len, out.stats, [c.where for c in conversations]):
         for ids, labels in row.examples:
             if all(label == IGNORE for label in labels):
                 out.truncated_away += 1
@@ -141,5 +141,6 @@ def encode(
     """The examples of one conversation (token ids, and labels -100 outside assistant turns), cut to ``max_len``."""
     stats = TurnStats()
     renderer = renderer or make_renderer(tokenizer)
-    (row,) = encode_rows([(conversation.messages, conversation.reasoning)], tokenizer, renderer, max_len, stats)
+    rows = [(conversation.messages, conversation.reasoning)]
+    (row,) = encode_rows(rows, tokenizer, renderer, max_len, stats, [conversation.where])
     return row.examples, stats

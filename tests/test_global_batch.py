@@ -157,3 +157,25 @@ def test_launch_refuses_a_batch_that_cannot_split_before_any_host_is_touched(tmp
     assert done.returncode == 2, done.stderr
     assert "248 or 256" in done.stderr and "Traceback" not in done.stderr
     assert not marks.exists(), f"ran on a host: {marks.read_text()}"
+
+
+@pytest.mark.parametrize(("fixed", "words"), [(True, "fixed by the spec"), (False, "depends on the hardware")])
+def test_the_view_and_the_plain_lines_show_the_global_batch(fixed, words):
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.observe.lines import event_line
+    from orchestrator.observe.view import render
+    from orchestrator.observe.watchstate import JobWatch, NodeView
+
+    watch = JobWatch("tiny", "tiny-20261203-000000-abcd", [NodeView(0, "node0", 2)], started_at=0.0, accelerator="cpu")
+    start = {"event": "start", "step": 0, "world_size": 2, "global_batch_size": 16, "global_batch_fixed": fixed}
+    watch.feed(0, "dzctl-progress " + json.dumps(start), 1.0)
+    assert (
+        event_line(start, watch)
+        == f"start  tiny-20261203-000000-abcd: 2 rank(s) on 1 node(s), global batch 16 rows ({words})"
+    )
+    console = Console(width=140, record=True, file=io.StringIO())
+    console.print(render(watch, now=2.0, width=140))
+    assert f"global batch 16 rows ({words})" in console.export_text()

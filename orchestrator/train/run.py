@@ -439,12 +439,18 @@ def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict
     }
 
 
-def global_batch_note(spec, settings: Settings, ranks: Ranks) -> str:
-    """The global batch as the view shows it: fixed by the spec, or what this hardware made it."""
+def global_batch_fields(spec, settings: Settings, ranks: Ranks) -> dict[str, Any]:
+    """The start event's global batch: rows per optimizer step, and whether the spec fixes it."""
     rows = settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
     fixed = spec.train.global_batch_size is not None or spec.train.global_batch_tokens is not None
-    how = "fixed by train.global_batch_size/_tokens" if fixed else "depends on the hardware"
-    return f"global batch {rows} rows ({how})"
+    return {"global_batch_size": rows, "global_batch_fixed": fixed}
+
+
+def global_batch_note(spec, settings: Settings, ranks: Ranks) -> str:
+    """The global batch as the log says it: fixed by the spec, or what this hardware made it."""
+    fields = global_batch_fields(spec, settings, ranks)
+    how = "fixed by train.global_batch_size/_tokens" if fields["global_batch_fixed"] else "depends on the hardware"
+    return f"global batch {fields['global_batch_size']} rows ({how})"
 
 
 def model_config(loaded: LoadedJob):
@@ -683,7 +689,7 @@ def train(
         save=save,
         lineage=lineage,
         keep=spec.train.save_total_limit,
-        start_extra={"packing": packed, "attention": used},
+        start_extra={"packing": packed, "attention": used, **global_batch_fields(spec, settings, ranks)},
     )
     trainer = DzTrainer(
         model=model,

@@ -250,6 +250,33 @@ def test_a_template_file_that_is_missing_or_does_not_render_is_refused_before_an
     assert not marks.exists(), f"ran on a host: {marks.read_text()}"
 
 
+TINY_JOB = (
+    "name: demo\nruntime: process\naccelerator: cpu\nmodel:\n  name_or_path: tiny\n  init: random\n"
+    "  tokenizer: builtin:byte-level\n  config: {model_type: qwen3, vocab_size: 384, hidden_size: 64, "
+    "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("turn", "words"),
+    [
+        ({"role": "assistant", "content": "4", "reasoning_content": 3}, "reasoning_content must be text, got int"),
+        ({"role": "user", "content": "q", "reasoning_content": "r"}, "reasoning_content belongs to assistant turns"),
+    ],
+)
+def test_a_bad_reasoning_content_is_refused_at_load_naming_the_row(tmp_path, turn, words):
+    from orchestrator.errors import InputError
+    from orchestrator.planning.inputs import read_inputs
+    from orchestrator.spec.job import load_job
+
+    row = {"messages": [{"role": "user", "content": "2+2?"}, turn, {"role": "assistant", "content": "4"}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")
+    (tmp_path / "job.yaml").write_text(TINY_JOB + "data:\n  path: data.jsonl\n  format: messages\n", encoding="utf-8")
+    with pytest.raises(InputError) as refused:
+        read_inputs(load_job(tmp_path / "job.yaml"))
+    assert f"data.path: data.jsonl:row 1: messages[1]: {words}" in str(refused.value)
+
+
 def test_a_template_file_travels_inside_the_nodes_job_yaml(tmp_path):
     import yaml
 
@@ -269,10 +296,7 @@ def test_a_template_file_travels_inside_the_nodes_job_yaml(tmp_path):
     (tmp_path / "hosts.txt").write_text("localhost slots=2\n", encoding="utf-8")
     job_file = tmp_path / "job.yaml"
     job_file.write_text(
-        "name: demo\nruntime: process\naccelerator: cpu\nmodel:\n  name_or_path: tiny\n  init: random\n"
-        "  tokenizer: builtin:byte-level\n  config: {model_type: qwen3, vocab_size: 384, hidden_size: 64, "
-        "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}\n"
-        "data:\n  path: data.jsonl\n  template: templates/qwen3.jinja\n  enable_thinking: false\n",
+        TINY_JOB + "data:\n  path: data.jsonl\n  template: templates/qwen3.jinja\n  enable_thinking: false\n",
         encoding="utf-8",
     )
     inputs = read_inputs(load_job(job_file))

@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..spec.job import HUB_PREFIX, DataSource, JobSpec, LoadedJob, is_secret_name, read_env_file
 from . import datafiles, fusedloss
 from .chattemplate import AUTO_TEMPLATE, ChatTemplate, resolve_chat_template
-from .datarows import DataError, to_messages
+from .datarows import DataError, to_turns
 from .dsconfig import load_user_config
 from .fusedloss import FusedLoss
 from .packing import resolve_packing
@@ -176,7 +176,7 @@ def check_first_rows(job: LoadedJob, source: DataSource, path: Path, where: str)
         try:
             if isinstance(row, datafiles.Malformed):
                 raise DataError(f"{row_where}: {row.reason}")
-            to_messages(row, source.format or "alpaca", row_where, source.columns)
+            to_turns(row, source.format or "alpaca", row_where, source.columns)
         except DataError as exc:
             problems.append(exc)
     # data.on_error: skip passes over bad rows, but not over a file whose first rows all fail.

@@ -63,7 +63,8 @@ def test_the_split_differs_by_hardware_while_the_batch_does_not(tmp_path, job):
     for hardware in sorted(HARDWARE):
         plan = json.loads(dzctl(tmp_path, job, hardware, "--json").stdout)
         splits[hardware] = (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["world_size"])
-    assert len(set(splits.values())) == 3, splits  # three different splits of one batch
+    # Three different splits of one batch (the figures README.md "Global batch" quotes).
+    assert splits == {"1x2-h200": (16, 8, 2), "1x4-a100-40gb": (8, 8, 4), "2x4-a100-40gb": (8, 4, 8)}, splits
     text = dzctl(tmp_path, job, "1x2-h200").output
     m, a, w = splits["1x2-h200"]
     assert (
@@ -122,8 +123,9 @@ def test_without_the_keys_the_batch_is_as_before_and_said_to_depend_on_the_hardw
     hosts.write_text("node-a slots=4\n", encoding="utf-8")
     flags = ["--hosts", str(hosts), "--gpu-mem-gib", "40", "--host-mem-gib", "256"]
     shipped = str(ROOT / "jobs" / "qwen3-8b.yaml")
-    plan = json.loads(CliRunner().invoke(main, ["plan", shipped, *flags, "--json"]).output)
+    plan = json.loads(CliRunner().invoke(main, ["plan", shipped, *flags, "--json"]).stdout)
     assert plan["gradient_accumulation_steps"] == 8 and plan["global_batch_fixed_by"] is None
+    assert plan["micro_batch_size"] == 14  # 14 × 8 × 4 = 448 rows, issue 26's figure (README "Global batch")
     assert plan["train_batch_size"] == plan["micro_batch_size"] * 8 * 4
     for command in (["plan", shipped, *flags], ["launch", shipped, *flags, "--dry-run"]):
         done = CliRunner().invoke(main, command)

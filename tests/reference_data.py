@@ -47,7 +47,7 @@ def _reference_load_dataset(loaded, tokenizer, settings, ranks, vocab_size, log)
         def __getitem__(self, index: int):
             return rows[index]
 
-    return ListDataset()
+    return ListDataset(), None  # (training rows, eval rows): this reference has no eval data
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ on NFS); the docker runtime runs the CPU image.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -127,11 +128,52 @@ def controller(request, tmp_path):
     controller.dzctl("stop", controller.job, "--ssh-config", str(controller.cluster.ssh_config))
 
 
-def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controller):
+@pytest.fixture
+def headline_cpu_image(local_docker_url, base_image):
+    """`dzctl build --flavour cpu` as the README's headline types it: no --tag, so the image is named
+    `dzctl:<version>-cpu` and `dzctl:cpu`, the name jobs/tiny-cpu.yaml says (only --base-image is added:
+    no image can be pulled here). The names' earlier images on this daemon get them back afterwards.
+
+    A concurrent run in another checkout on the same daemon can move `dzctl:cpu` meanwhile; the other
+    tests use a per-checkout tag for that reason (tests/test_image.py::CPU_TAG), this one cannot.
+    """
+    import docker
+    import docker.errors
+
+    from orchestrator.image.build import BuildRequest, add_tags, image_tags
+
+    client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=600)
+    names = image_tags(BuildRequest(flavour="cpu"))
+    earlier = {}
+    for name in names:
+        try:
+            earlier[name] = client.images.get(name).id
+        except docker.errors.ImageNotFound:
+            earlier[name] = None
+    argv = [sys.executable, "-m", "orchestrator", "build", "--flavour", "cpu", "--base-image", base_image, "--json"]
+    env = {**os.environ, "DOCKER_HOST": local_docker_url}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        built = json.loads(done.stdout)["image_id"]
+        assert {name: client.images.get(name).id for name in names} == {name: built for name in names}
+        yield "dzctl:cpu"
+    finally:
+        for name, image_id in earlier.items():
+            if image_id:
+                add_tags(client, image_id, [name])
+            else:
+                with contextlib.suppress(docker.errors.ImageNotFound):
+                    client.images.remove(name, noprune=True)
+
+
+def test_launch_runs_to_success_with_progress_and_a_consolidated_model(controller, request):
     if controller.runtime == "docker":
-        # A node without the image: launch ships it there (and only there) and checks again before starting.
-        node1 = controller.cluster.hosts[1]
-        controller.cluster.run_in(node1, ["docker", "rmi", "--force", controller.image])
+        # The headline sequence (issue 27): `dzctl build --flavour cpu`, then `dzctl launch jobs/tiny-cpu.yaml`
+        # with the job's own `image: dzctl:cpu`, not a test tag. Neither node has that build yet, so launch
+        # ships it to both (only the layers they lack) and checks again before starting.
+        controller.image = request.getfixturevalue("headline_cpu_image")
+        controller.sets = [s for s in controller.sets if not s.startswith("image=")]
     result = controller.launch("--follow", "--json", steps=6)
     assert result.returncode == 0, result.stderr[-3000:]
     if controller.runtime == "docker":

@@ -130,7 +130,7 @@ def test_chunked_forward_gives_the_models_own_loss_and_gradients(tied):
     assert set(got_grads) == set(want_grads)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    # Outside training (or without labels) the model's own forward runs: logits come back.
+    # Without labels the model's own forward runs: logits come back (with labels, eval mode too is fused).
     fused.eval()
     with torch.no_grad():
         assert fused(input_ids=ids).logits.shape == (2, 40, 300)

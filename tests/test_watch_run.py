@@ -4,6 +4,9 @@
 - a pipe into a file: plain lines, at most two per logging step, no JSON, no duplicated rank warnings;
 - ``status --plot``: a PNG that decodes, whose stored series are read back and match progress.jsonl;
 - ``train.report_to: [tensorboard]``: event files, fetched with ``logs --fetch`` and read by TensorBoard's reader.
+
+The piped run holds 4 rows out for evaluation (``data.eval_split: 4``, ``train.eval_steps: 10``): its
+eval losses are checked in each of these places too (issue 26), with ``grad_norm`` in the plot.
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ def piped_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("watch-piped")
     home, remote, name = tmp / "home", tmp / "remote", f"watch-{uuid.uuid4().hex[:6]}"
     log = tmp / "follow.txt"
-    argv = _launch_argv(remote, name, STEPS, "train.report_to=[tensorboard]", "train.save_steps=10")
+    argv = _launch_argv(
+        remote, name, STEPS, "train.report_to=[tensorboard]", "train.save_steps=10", "data.eval_split=4",
+        "train.eval_steps=10",
+    )  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.run(argv, cwd=ROOT, env=_env(home), stdout=out, stderr=subprocess.STDOUT, timeout=900)
     text = log.read_text()
@@ -81,7 +87,13 @@ def test_piped_follow_prints_plain_lines_at_most_two_per_step(piped_run):
     for step in range(1, STEPS + 1):
         matching = [x for x in after if re.match(rf"step {step}/{STEPS}\s+loss \d+\.\d{{3}}\s+lr ", x)]
         assert len(matching) == 1, (step, after)
-    assert len(after) <= 2 * STEPS, after
+    evals = [e for e in piped_run["events"] if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [10, 20]
+    for event in evals:
+        loss, tokens = event["eval_loss"], event["eval_tokens"]
+        said = f"eval  step {event['step']}/{STEPS}  eval loss {loss:.4f} over {tokens:,} tokens"
+        assert sum(x.startswith(said) for x in after) == 1, (said, after)
+    assert len(after) <= 2 * STEPS + len(evals), after
     # Every rank printed the same warnings; each is shown once.
     assert len(set(after)) == len(after), after
     assert sum("FutureWarning" in x for x in after) <= 1
@@ -110,6 +122,8 @@ def test_the_view_of_the_real_log_once_succeeded_has_no_latest_note(piped_run):
     console.print(render(watch, now=2.0))
     text = console.file.getvalue()
     assert "SUCCEEDED" in text and f"model {piped_run['output'] / 'model'}" in text, text
+    last = [e for e in piped_run["events"] if e["event"] == "eval"][-1]
+    assert f"eval loss {last['eval_loss']:.4f} at step {STEPS}" in text, text
     assert "latest:" not in text and "consolidating" not in text, text
 
 
@@ -140,7 +154,13 @@ def test_status_plot_stores_the_series_it_draws(piped_run, tmp_path):
         assert image.format == "PNG" and image.size[0] > 300
         series = json.loads(image.text["dzctl-series"])
     steps = [e for e in piped_run["events"] if e["event"] == "step"]
-    assert set(series) == {"loss", "smoothed loss (EMA 0.9)", "learning rate", "useful tokens/s"}
+    assert set(series) == {
+        "loss", "smoothed loss (EMA 0.9)", "learning rate", "useful tokens/s", "grad norm", "eval loss"
+    }  # fmt: skip
+    evals = [e for e in piped_run["events"] if e["event"] == "eval"]
+    assert series["eval loss"]["step"] == [10, 20]
+    assert series["eval loss"]["value"] == pytest.approx([e["eval_loss"] for e in evals])
+    assert series["grad norm"]["value"] == pytest.approx([e["grad_norm"] for e in steps])
     assert series["loss"]["step"] == list(range(1, STEPS + 1))
     assert series["loss"]["value"] == pytest.approx([e["loss"] for e in steps])
     assert series["learning rate"]["value"] == pytest.approx([e["learning_rate"] for e in steps])
@@ -159,6 +179,8 @@ def test_tensorboard_event_files_are_written_named_and_fetched(piped_run, tmp_pa
     folder = piped_run["output"] / "tensorboard" / job_id
     status = subprocess.run([*_dzctl(), "status", job_id], cwd=ROOT, env=env, capture_output=True, text=True)
     assert f"tensorboard: localhost:{folder}" in status.stdout, status.stdout
+    evals = [e for e in piped_run["events"] if e["event"] == "eval"]
+    assert f"eval loss {evals[-1]['eval_loss']:.4f} at step {STEPS}" in status.stdout, status.stdout
     fetched = tmp_path / "fetched"
     proc = subprocess.run(
         [*_dzctl(), "logs", job_id, "--fetch", str(fetched)], cwd=ROOT, env=env, capture_output=True, text=True
@@ -172,6 +194,10 @@ def test_tensorboard_event_files_are_written_named_and_fetched(piped_run, tmp_pa
     steps = [e for e in piped_run["events"] if e["event"] == "step"]
     assert [s.step for s in scalars] == [e["step"] for e in steps]
     assert [s.value for s in scalars] == pytest.approx([e["loss"] for e in steps], rel=1e-5)
+    # The eval loss goes where the training loss goes (HF's TensorBoard callback names it eval/loss).
+    assert [(s.step, s.value) for s in accumulator.Scalars("eval/loss")] == [
+        (e["step"], pytest.approx(e["eval_loss"], rel=1e-5)) for e in evals
+    ]
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (./dev test installs it)")

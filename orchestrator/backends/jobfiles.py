@@ -42,7 +42,8 @@ def node_spec(job: ResolvedJob, node: NodePlan) -> dict:
         data["train"]["output_storage"] = job.output_storage
     for item in job.inputs.shipped:
         # The node reads its copy; errors name the user's file (shipped_from), not the copy.
-        target = data["data"] if spec.data.sources is None else data["data"]["sources"][item.index]
+        section = data["data"]["eval"] if item.part == "eval" else data["data"]
+        target = section if section["sources"] is None else section["sources"][item.index]
         target["shipped_from"] = target["path"]
         target["path"] = f"{job_dir}/{item.name}"
     template = job.inputs.chat_template

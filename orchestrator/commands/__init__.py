@@ -11,6 +11,7 @@ from __future__ import annotations
 COMMANDS = {
     "build": "orchestrator.commands.build",
     "distribute": "orchestrator.commands.distribute",
+    "export": "orchestrator.commands.export",
     "launch": "orchestrator.commands.launch",
     "logs": "orchestrator.commands.jobs",
     "plan": "orchestrator.commands.plan",

@@ -153,6 +153,24 @@ def status_dict(status: JobStatus, record: JobRecord) -> dict:
     return out
 
 
+def eval_lines(progress: dict) -> list[str]:
+    """The last eval and the best one, and an early stop, for ``status``'s text."""
+    found = progress.get("eval")
+    lines = []
+    if found and found.get("eval_loss") is not None:
+        line = (
+            f"eval loss {found['eval_loss']:.4f} at step {found.get('step')} ({found.get('eval_tokens') or 0:,} tokens)"
+        )
+        if found.get("best_eval_loss") is not None:
+            line += f"  best {found['best_eval_loss']:.4f} at step {found.get('best_step')}"
+        if found.get("best_checkpoint"):
+            line += f"  best checkpoint {found['best_checkpoint']}"
+        lines.append(line)
+    if progress.get("stopped_early"):
+        lines.append(f"stopped early at step {progress.get('step')} (train.early_stopping)")
+    return lines
+
+
 def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> str:
     """The job's state, a row per node (NODE = node rank; RANKS = the global ranks it runs)."""
     ranks = ranks or {}
@@ -169,6 +187,7 @@ def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> s
         parts.append(f"eta {_fmt_s(progress.get('eta_s'))}")
         parts.append(f"last progress {_fmt_s(status.progress_age_s)} ago")
         lines.append("  ".join(parts))
+        lines += eval_lines(progress)
     else:
         lines.append("progress none yet")
     lines.append(f"{'NODE':4} {'HOST':24} {'RANKS':7} {'STATE':11} {'EXIT':5} OOM")

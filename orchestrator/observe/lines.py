@@ -40,6 +40,8 @@ def event_line(event: dict, watch: JobWatch) -> str | None:
             parts.append(f"loss {event['loss']:.3f}")
         if event.get("learning_rate") is not None:
             parts.append(f"lr {event['learning_rate']:.1e}")
+        if event.get("grad_norm") is not None:
+            parts.append(f"grad-norm {event['grad_norm']:.3g}")
         rate = rate_text(event.get("tokens_per_s"), watch.world_size, per)
         if rate:
             parts.append(rate)
@@ -48,8 +50,11 @@ def event_line(event: dict, watch: JobWatch) -> str | None:
         if event.get("eta_s") is not None:
             parts.append(f"eta {format_duration(event['eta_s'])}")
         return "  ".join(parts)
+    if kind == "eval":
+        return eval_text(event)
     if kind == "checkpoint":
-        return f"checkpoint  step {event.get('step')}: {event.get('path')}"
+        best = "  (best eval loss: kept out of rotation)" if event.get("best") else ""
+        return f"checkpoint  step {event.get('step')}: {event.get('path')}{best}"
     if kind == "end":
         parts = [f"end  step {event.get('step')}/{event.get('max_steps')}"]
         if event.get("loss") is not None:
@@ -57,11 +62,29 @@ def event_line(event: dict, watch: JobWatch) -> str | None:
         rate = rate_text(event.get("tokens_per_s"), watch.world_size, per)
         if rate:
             parts.append(rate)
+        if event.get("stopped_early"):
+            parts.append(f"stopped early at step {event.get('step')} (train.early_stopping)")
+        if event.get("best_eval_loss") is not None:
+            parts.append(f"best eval loss {event['best_eval_loss']:.4f} at step {event.get('best_step')}")
         if event.get("path"):
             parts.append(f"model {event['path']}")
         return "  ".join(parts)
     # An error event is said once, by final_lines, with the rank's exit code and fix.
     return None
+
+
+def eval_text(event: dict) -> str:
+    """An ``eval`` event in one line: the loss per token, the best so far, what it decided."""
+    parts = [f"eval  step {event.get('step')}/{event.get('max_steps')}"]
+    if event.get("eval_loss") is not None:
+        parts.append(f"eval loss {event['eval_loss']:.4f} over {event.get('eval_tokens') or 0:,} tokens")
+    if event.get("best_eval_loss") is not None:
+        parts.append(f"best {event['best_eval_loss']:.4f} at step {event.get('best_step')}")
+    if event.get("best_checkpoint"):
+        parts.append(f"best checkpoint {event['best_checkpoint']}")
+    if event.get("stopped_early"):
+        parts.append("early stopping: no progress for train.early_stopping.patience evals, ending here")
+    return "  ".join(parts)
 
 
 def message_line(message: Message) -> str:

@@ -1,4 +1,8 @@
-"""``dzctl status JOB --plot FILE.png``: loss, smoothed loss, learning rate and useful tokens/s against step.
+"""``dzctl status JOB --plot FILE.png``: loss, smoothed loss, eval loss, learning rate, gradient norm and
+useful tokens/s against step.
+
+The eval loss (``eval`` events) is drawn on the loss panel, the gradient norm (``grad_norm``
+of the step events, before clipping) on a panel of its own; each only when the run has it.
 
 matplotlib is imported here, inside ``write_plot``, and this module only when
 ``--plot`` is given: the controller's usual import path never loads it (a test
@@ -25,8 +29,15 @@ def plot_series(events: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     """Quantity -> (steps, values) from the step events; each only where the value is known."""
     steps = [e for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for key, name in (("loss", "loss"), ("learning_rate", "learning rate"), ("tokens_per_s", "useful tokens/s")):
-        known = [(e["step"], float(e[key])) for e in steps if isinstance(e.get(key), (int, float))]
+    evals = [e for e in events if e.get("event") == "eval" and isinstance(e.get("step"), int)]
+    for rows, key, name in (
+        (steps, "loss", "loss"),
+        (steps, "learning_rate", "learning rate"),
+        (steps, "tokens_per_s", "useful tokens/s"),
+        (steps, "grad_norm", "grad norm"),
+        (evals, "eval_loss", "eval loss"),
+    ):
+        known = [(e["step"], float(e[key])) for e in rows if isinstance(e.get(key), (int, float))]
         series[name] = ([s for s, _ in known], [v for _, v in known])
     loss_steps, losses = series["loss"]
     series[f"smoothed loss (EMA {EMA_FACTOR})"] = (loss_steps, ema(losses, EMA_FACTOR))
@@ -53,15 +64,21 @@ def write_plot(events: list[dict], path: Path, title: str) -> dict[str, dict[str
             f"{title}: no step has been logged yet: nothing to plot", fix="plot again once the job has logged steps"
         )
     smoothed_name = f"smoothed loss (EMA {EMA_FACTOR})"
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    loss_ax, lr_ax, rate_ax = axes
+    with_norm = bool(series["grad norm"][0])
+    fig, axes = plt.subplots(4 if with_norm else 3, 1, figsize=(8, 10.5 if with_norm else 8), sharex=True)
+    loss_ax, lr_ax, rate_ax = axes[0], axes[1], axes[-1]
     loss_ax.plot(*series["loss"], label="loss", color="tab:blue", alpha=0.45, linewidth=1)
     loss_ax.plot(*series[smoothed_name], label=smoothed_name, color="tab:blue", linewidth=2)
+    if series["eval loss"][0]:
+        loss_ax.plot(*series["eval loss"], label="eval loss", color="tab:red", marker="o", markersize=3, linewidth=1.5)
     loss_ax.set_ylabel("loss")
     loss_ax.legend(loc="upper right")
     lr_ax.plot(*series["learning rate"], label="learning rate", color="tab:orange")
     lr_ax.set_ylabel("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if with_norm:
+        axes[2].plot(*series["grad norm"], label="grad norm", color="tab:purple")
+        axes[2].set_ylabel("gradient norm")
     rate_ax.plot(*series["useful tokens/s"], label="useful tokens/s", color="tab:green")
     rate_ax.set_ylabel("useful tokens/s (job)")
     rate_ax.set_xlabel("step")

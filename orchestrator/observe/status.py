@@ -150,12 +150,18 @@ def parse_progress(
     DZCTL_JOB_ID): an output dir reused by a relaunch holds earlier runs' lines.
     """
     last_step: dict | None = None
+    last_eval: dict | None = None
+    stopped_early = False
     last_time: float | None = None
     errors: list[dict] = []
     for event in job_events(text, job_id):
         stamp = event.get("time")
         if isinstance(stamp, (int, float)):
             last_time = float(stamp)
+        if event.get("event") == "eval":
+            last_eval = event
+        if event.get("event") == "end":
+            stopped_early = bool(event.get("stopped_early"))
         if event.get("event") == "step":
             last_step = event
         elif event.get("step") is not None and event.get("event") in ("start", "checkpoint", "end"):
@@ -178,9 +184,20 @@ def parse_progress(
             "padding_efficiency": last_step.get("padding_efficiency"),  # real / processed tokens
             "eta_s": last_step.get("eta_s"),
             "event": last_step.get("event"),
+            "grad_norm": last_step.get("grad_norm"),
+            "eval": eval_summary(last_eval),  # the last eval (None: none yet, or no eval data)
+            "stopped_early": stopped_early,
         }
     age = None if last_time is None else max(0.0, (now if now is not None else time.time()) - last_time)
     return progress, age, errors
+
+
+def eval_summary(event: dict | None) -> dict | None:
+    """``status``'s view of an ``eval`` event: its loss and tokens, the best so far and where it is kept."""
+    if event is None:
+        return None
+    keys = ("step", "eval_loss", "eval_tokens", "best_eval_loss", "best_step", "best_checkpoint")
+    return {key: event.get(key) for key in keys}
 
 
 def job_events(text: str, job_id: str | None = None) -> list[dict]:

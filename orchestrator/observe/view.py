@@ -58,6 +58,8 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
         more = f" (+{len(checkpoints) - 6} earlier)" if len(checkpoints) > 6 else ""
         parts.append(Text(f"checkpoints at step {shown}{more}; last {checkpoints[-1].get('path')}"))
     end = watch.last("end")
+    if end and end.get("stopped_early"):
+        parts.append(Text(f"stopped early at step {end.get('step')} (train.early_stopping)", style="bold"))
     if end and end.get("path"):
         parts.append(Text(f"model {end['path']}", style="bold"))
     notes = [m for m in watch.messages.values() if m.level == "info"]
@@ -78,9 +80,22 @@ def _metrics(watch: JobWatch, last_step: dict | None, width: int) -> RenderableT
         smoothed = ema(losses, EMA_FACTOR)[-1]
         spark = Text(sparkline(losses, max(10, min(40, width - 62))), style="cyan")
         lines += _flow([f"loss {losses[-1]:.4f}", f"smoothed {smoothed:.4f} (EMA {EMA_FACTOR})", spark], width)
+    evals = [e for e in watch.evals if e.get("eval_loss") is not None]
+    if evals:
+        last = evals[-1]
+        cells: list[str | Text] = [f"eval loss {last['eval_loss']:.4f} at step {last.get('step')}"]
+        if last.get("best_eval_loss") is not None:
+            cells.append(f"best {last['best_eval_loss']:.4f} at step {last.get('best_step')}")
+        if len(evals) > 1:
+            cells.append(
+                Text(sparkline([e["eval_loss"] for e in evals], max(10, min(40, width - 62))), style="magenta")
+            )
+        lines += _flow(cells, width)
     per = "GPU" if watch.accelerator == "gpu" else "rank"
     rate = rate_text(last_step.get("tokens_per_s"), watch.world_size, per)
     row = [f"lr {last_step['learning_rate']:.2e}" if last_step.get("learning_rate") is not None else "lr -"]
+    if last_step.get("grad_norm") is not None:
+        row.append(f"grad norm {last_step['grad_norm']:.3g}")
     if rate:
         row.append(f"useful {rate}, {last_step['tokens_per_s']:,.0f} tok/s total")
     if last_step.get("processed_tokens_per_s"):

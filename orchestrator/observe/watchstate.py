@@ -124,6 +124,10 @@ class JobWatch:
         return [e for e in self.events if e.get("event") == "step"]
 
     @property
+    def evals(self) -> list[dict]:
+        return [e for e in self.events if e.get("event") == "eval"]
+
+    @property
     def checkpoints(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "checkpoint"]
 

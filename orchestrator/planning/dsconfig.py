@@ -217,7 +217,7 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
         "train_micro_batch_size_per_gpu": resolved.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": resolved.micro_batch_size * accumulation * world_size,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": train.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": resolved.precision == "bf16"},
         "fp16": {
@@ -292,7 +292,7 @@ def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: Job
         "train_micro_batch_size_per_gpu": resolved.micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "train_batch_size": resolved.micro_batch_size * accumulation * world_size,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": spec.train.max_grad_norm,
     }
     for key, value in top.items():
         if out.get(key) == "auto":

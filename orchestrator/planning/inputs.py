@@ -21,6 +21,7 @@ from . import datafiles, fusedloss
 from .chattemplate import AUTO_TEMPLATE, ChatTemplate, resolve_chat_template
 from .datarows import DataError, to_turns
 from .dsconfig import load_user_config
+from .evalsplit import EVAL_SPLIT_FIX, split_problem
 from .fusedloss import FusedLoss
 from .packing import resolve_packing
 from .shape import ModelShape, shape_for_job
@@ -57,10 +58,11 @@ class JobInputs:
 class ShippedData:
     """A data file next to the job file, copied into the job directory on every node."""
 
-    index: int  # its place in data.sources (0 for data.path)
+    index: int  # its place in data.sources (0 for data.path); with part "eval", in data.eval's sources
     local: Path  # here
     name: str  # relative to the job directory on the nodes: data/<file> (data.sources: data/<index>-<file>)
     size: int = 0  # bytes (the planner counts the mapped cache's pages from it)
+    part: str = "train"  # train: data.path / data.sources; eval: data.eval's (data/eval-...)
 
 
 def read_inputs(job: LoadedJob) -> JobInputs:
@@ -68,6 +70,7 @@ def read_inputs(job: LoadedJob) -> JobInputs:
     secrets = job_secrets(job)
     shipped = check_data_sources(job)
     chat_template = resolve_chat_template(job)  # data.template: a file that exists and renders
+    check_eval_split(job, shipped)
     user = load_user_config(job)  # zero.config: exists, JSON, stage 3
     shape = shape_for_job(job)  # the memory planner needs the model's shape: config.json, catalogue or model.config
     spec = job.spec
@@ -109,15 +112,18 @@ def is_node_side(path: str) -> bool:
 
 def shipped_data(job: LoadedJob) -> tuple[ShippedData, ...]:
     """The local data files to ship with the job: the sources given relative to the job file."""
-    if job.spec.data.synthetic:
-        return ()
-    many = job.spec.data.sources is not None
+    data = job.spec.data
     out = []
-    for index, source in enumerate(job.spec.data.all_sources()):
-        if is_node_side(source.path):
-            continue
-        local = job.resolve_local(source.path)
-        out.append(ShippedData(index, local, f"data/{index}-{local.name}" if many else f"data/{local.name}"))
+    parts = [("eval", data.eval_sources(), data.eval is not None and data.eval.sources is not None, "eval-")]
+    if not data.synthetic:
+        parts.insert(0, ("train", data.all_sources(), data.sources is not None, ""))
+    for part, found, many, prefix in parts:
+        for index, source in enumerate(found):
+            if is_node_side(source.path):
+                continue
+            local = job.resolve_local(source.path)
+            name = f"data/{prefix}{index}-{local.name}" if many else f"data/{prefix}{local.name}"
+            out.append(ShippedData(index, local, name, part=part))
     return tuple(out)
 
 
@@ -127,10 +133,10 @@ PEEK_ROWS = 5  # the rows of a local file read before any host is touched
 def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
     """Every shipped source is a readable file here whose first rows are in its format. Returns them."""
     shipped = shipped_data(job)
-    sources = job.spec.data.all_sources()
     checked = []
     for item in shipped:
-        where = _source_key(job, item.index)
+        where = _source_key(job, item.index, item.part)
+        sources = job.spec.data.all_sources() if item.part == "train" else job.spec.data.eval_sources()
         data_file = item.local
         if not data_file.exists():
             problem = "no such file"
@@ -156,10 +162,52 @@ def check_data_sources(job: LoadedJob) -> tuple[ShippedData, ...]:
     return tuple(checked)
 
 
-def _source_key(job: LoadedJob, index: int) -> str:
-    if job.spec.data.sources is None:
+def _source_key(job: LoadedJob, index: int, part: str = "train") -> str:
+    data = job.spec.data
+    if part == "eval":
+        assert data.eval is not None
+        if data.eval.sources is None:
+            return f"{job.where('data.eval.path')}: data.eval.path"
+        return f"{job.where(f'data.eval.sources.{index}.path')}: data.eval.sources[{index}].path"
+    if data.sources is None:
         return f"{job.where('data.path')}: data.path"
     return f"{job.where(f'data.sources.{index}.path')}: data.sources[{index}].path"
+
+
+def check_eval_split(job: LoadedJob, shipped: tuple[ShippedData, ...]) -> None:
+    """``data.eval_split`` against the rows of the shipped files: refused here when it leaves nothing to train on.
+
+    Only when every training source is shipped (the rows of node-side data are counted by the
+    builder on the nodes, which refuses the same way). One source: its rows (``max_rows`` applied).
+    Several: their sum, a bound on the mix (which takes at most that many), so this check never
+    refuses a split the mix could train with; the builder checks the mix itself. Cost: one pass
+    over each file's rows (JSON parsed as a stream, Parquet from its metadata).
+    """
+    split = job.spec.data.eval_split
+    sources = job.spec.data.all_sources()
+    mine = [item for item in shipped if item.part == "train"]
+    if split is None or len(mine) != len(sources):
+        return
+    rows = 0
+    for item in mine:
+        counted = _count_rows(item.local, sources[item.index].path)
+        if counted is None:
+            return
+        limit = sources[item.index].max_rows
+        rows += min(counted, limit) if limit else counted
+    problem = split_problem(split, rows)
+    if problem:
+        raise InputError(f"{job.where('data.eval_split')}: {problem}", fix=EVAL_SPLIT_FIX)
+
+
+def _count_rows(path: Path, display: str) -> int | None:
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:  # not a controller dependency: the nodes' builder counts
+            return None
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(1 for _ in datafiles.iter_rows(path, display))
 
 
 def check_first_rows(job: LoadedJob, source: DataSource, path: Path, where: str) -> None:

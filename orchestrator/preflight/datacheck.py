@@ -71,14 +71,19 @@ def node_side_sources(spec) -> list[tuple[str, str]]:
     A source with ``shipped_from`` (a node's own job spec, as Slurm's in-allocation preflight reads it)
     is the job directory's copy of a local file: the launcher checked that file before shipping it, and
     in a container its path is the job directory's mount, which no ``launch.mounts`` entry holds."""
-    if spec.data.synthetic:
-        return []
     many = spec.data.sources is not None
-    return [
-        (f"data.sources[{i}].path" if many else "data.path", s.path)
-        for i, s in enumerate(spec.data.all_sources())
-        if is_node_side(s.path) and s.shipped_from is None
-    ]
+    found = (
+        []
+        if spec.data.synthetic
+        else [(f"data.sources[{i}].path" if many else "data.path", s) for i, s in enumerate(spec.data.all_sources())]
+    )
+    held = spec.data.eval
+    if held is not None:
+        found += [
+            (f"data.eval.sources[{i}].path" if held.sources is not None else "data.eval.path", s)
+            for i, s in enumerate(spec.data.eval_sources())
+        ]
+    return [(key, s.path) for key, s in found if is_node_side(s.path) and s.shipped_from is None]
 
 
 def host_path(spec, path: str) -> str | None:

@@ -89,6 +89,45 @@ class DataSource(_Strict):
     shipped_from: str | None = None
 
 
+class EvalDataSpec(_Strict):
+    """``data.eval``: evaluation rows of their own, in the forms of the training data (one path, or sources)."""
+
+    path: str | None = Field(None, min_length=1)
+    format: DataFormat | None = None  # None: data.format
+    columns: dict[str, str] | None = None  # None: data.columns
+    max_rows: int | None = Field(None, ge=1)
+    sources: list[DataSource] | None = Field(None, min_length=1)
+    shipped_from: str | None = None  # as DataSource.shipped_from, for data.eval.path
+
+    @model_validator(mode="after")
+    def _one_form(self) -> EvalDataSpec:
+        if (self.path is None) == (self.sources is None):
+            raise ValueError(
+                "give data.eval.path (one data set) or data.eval.sources (a list of them), not both"
+                if self.path
+                else "data.eval.path is missing: give data.eval.path (one data set) or data.eval.sources"
+            )
+        if SYNTHETIC_DATA in (self.path, *(s.path for s in self.sources or ())):
+            raise ValueError("synthetic:random has nothing to evaluate on: give a data file")
+        return self
+
+
+def _no_bool(value: Any) -> Any:
+    # pydantic would read true as the row count 1.
+    if isinstance(value, bool):
+        raise ValueError("must be a fraction between 0 and 1 or a row count, not true/false")
+    return value
+
+
+def _check_eval_split(value: float | int | None) -> float | int | None:
+    # A fraction of the rows, or a count of them: 1.0 would be every row, 0 none.
+    if isinstance(value, float) and not 0 < value < 1:
+        raise ValueError("must be a fraction between 0 and 1 (0.05: 5% of the rows) or a row count of at least 1")
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        raise ValueError("must be a row count of at least 1, or a fraction between 0 and 1")
+    return value
+
+
 class DataSpec(_Strict):
     # One source (the first form, kept): data.path with data.format. Or several: data.sources.
     path: str | None = Field(None, min_length=1)
@@ -106,6 +145,10 @@ class DataSpec(_Strict):
     enable_thinking: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
     # Written by dzctl launch: a PATH.jinja template's text, so the nodes need no copy of the file.
     template_text: str | None = None
+    # Evaluation (orchestrator/train/data/holdout.py): rows of the training data held out (a
+    # fraction, or a count), or data of its own (data.eval). Not both.
+    eval_split: Annotated[int | float | None, BeforeValidator(_no_bool), AfterValidator(_check_eval_split)] = None
+    eval: EvalDataSpec | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> DataSpec:
@@ -121,6 +164,12 @@ class DataSpec(_Strict):
         for source in self.sources or ():
             if source.path == SYNTHETIC_DATA:
                 raise ValueError("synthetic:random is a data.path of its own, not one of data.sources")
+            _check_columns(source.columns or {}, source.format or self.format)
+        if self.eval_split is not None and self.eval is not None:
+            raise ValueError("give data.eval_split (rows held out of the training data) or data.eval, not both")
+        if self.eval_split is not None and self.synthetic:
+            raise ValueError("synthetic:random has no rows to hold out: give data.eval with a data file")
+        for source in self.eval_sources():
             _check_columns(source.columns or {}, source.format or self.format)
         return self
 
@@ -141,6 +190,31 @@ class DataSpec(_Strict):
     @property
     def synthetic(self) -> bool:
         return self.path == SYNTHETIC_DATA
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_split is not None or self.eval is not None
+
+    def eval_sources(self) -> list[DataSource]:
+        """``data.eval``'s sources with format and columns filled in (from data.eval, else data); [] without it."""
+        held = self.eval
+        if held is None:
+            return []
+        fmt = held.format or self.format
+        columns = dict(self.columns if held.columns is None else held.columns)
+        if held.sources is None:
+            assert held.path is not None
+            return [
+                DataSource(
+                    path=held.path, format=fmt, columns=columns, max_rows=held.max_rows, shipped_from=held.shipped_from
+                )
+            ]
+        return [
+            s.model_copy(
+                update={"format": s.format or fmt, "columns": dict(columns if s.columns is None else s.columns)}
+            )
+            for s in held.sources
+        ]
 
     def all_sources(self) -> list[DataSource]:
         """Every source with data.format / data.columns filled in (``data.path`` is one source)."""
@@ -180,6 +254,14 @@ class LoraSpec(_Strict):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1)
     # Also write merged full weights (base + scaled B·A) in ``model/`` beside the adapter.
     merge: bool = False
+
+
+class EarlyStoppingSpec(_Strict):
+    """``train.early_stopping``: stop after ``patience`` evals that beat the best eval loss by no more than
+    ``min_delta`` (the rule of HF's EarlyStoppingCallback, whose defaults these are)."""
+
+    patience: int = Field(1, ge=1)
+    min_delta: float = Field(0.0, ge=0)
 
 
 class TrainSpec(_Strict):
@@ -225,6 +307,12 @@ class TrainSpec(_Strict):
     packing: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
     # The loss without the full logits (orchestrator/planning/fusedloss.py): auto = liger on GPUs, chunked on CPU.
     fused_loss: Literal["auto", "liger", "chunked", "none"] = "auto"
+    # Evaluation (docs/evaluation.md): every eval_steps and once at the end, on data.eval_split or data.eval.
+    eval_steps: int | None = Field(None, ge=1)
+    early_stopping: EarlyStoppingSpec | None = None
+    save_best: bool = False  # keep the checkpoint of the best eval loss out of rotation (dzctl-best.json)
+    # The ds_config's gradient_clipping (the global gradient norm's bound); 0: no clipping.
+    max_grad_norm: float = Field(1.0, ge=0)
 
     @field_validator("gradient_checkpointing", "packing", mode="before")
     @classmethod
@@ -458,7 +546,40 @@ def load_job(
         raise SpecError(_format_validation(exc, lines, overrides)) from None
     loaded = LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
     _check_fused_loss(loaded)
+    _check_eval(loaded)
     return loaded
+
+
+def _check_eval(loaded: LoadedJob) -> None:
+    """The keys that act on evaluation need eval data, and early stopping needs evals to count."""
+    spec = loaded.spec
+    train = spec.train
+    asked = [
+        key
+        for key, on in (
+            ("train.eval_steps", train.eval_steps is not None),
+            ("train.early_stopping", train.early_stopping is not None),
+            ("train.save_best", train.save_best),
+        )
+        if on
+    ]
+    if asked and not spec.data.has_eval:
+        raise SpecError(
+            f"{loaded.where(asked[0])}: {asked[0]} needs eval data, and this job has none",
+            fix="hold out rows of the training data with data.eval_split (0.05: 5% of them; 200: 200 rows), "
+            f"or give data.eval (its own path or sources); or remove {', '.join(asked)}",
+        )
+    if train.early_stopping is not None and train.eval_steps is None:
+        raise SpecError(
+            f"{loaded.where('train.early_stopping')}: train.early_stopping counts evals, and without "
+            "train.eval_steps there is only the one at the end",
+            fix="set train.eval_steps (evaluate every N steps), or remove train.early_stopping",
+        )
+    if train.save_best and not train.save:
+        raise SpecError(
+            f"{loaded.where('train.save_best')}: train.save_best keeps a checkpoint, and train.save is false",
+            fix="set train.save: true, or remove train.save_best",
+        )
 
 
 def _check_fused_loss(loaded: LoadedJob) -> None:

@@ -30,7 +30,14 @@ A run that trained to its end and wrote its model records that in
 ``dzctl-finished.json`` beside its checkpoints. A relaunch whose resume is that
 final checkpoint, asking for no more steps (or epochs), has nothing to train: it
 says so and ends well (``finished_run``), where the HF Trainer would train one step
-past ``max_steps`` and save it as ``checkpoint-<max_steps + 1>``.
+past ``max_steps`` and save it as ``checkpoint-<max_steps + 1>``. A run that early
+stopping ended is finished as well, for as long as no more steps or epochs are asked.
+
+``train.save_best``: ``dzctl-best.json`` beside the checkpoints names the one with the
+best eval loss (``{"checkpoint": "checkpoint-N", "step": N, "eval_loss": x}``, and its
+lineage). It is written once that checkpoint is marked complete on every node, and
+rotation never deletes the checkpoint it names (it does not count towards
+``save_total_limit``); a newer best replaces it, and the old one rotates as any other.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from ..errors import InputError, RuntimeFailure
 
 MARKER = "dzctl-complete.json"
 FINISHED = "dzctl-finished.json"
+BEST = "dzctl-best.json"
 # The lineage of a marker written before dzctl recorded one: those checkpoints form one line.
 UNRECORDED = "unrecorded"
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -244,18 +252,63 @@ class Finished:
     max_steps: int  # train.max_steps it ran with (-1: epochs decided)
     epochs: float
     model: str  # the model folder, as rank 0 wrote it
+    stopped_early: bool = False  # train.early_stopping ended it before max_steps (or its epochs)
 
 
-def write_finished(output_dir: Path, *, lineage: str, step: int, max_steps: int, epochs: float, model: Path) -> None:
+def write_finished(
+    output_dir: Path,
+    *,
+    lineage: str,
+    step: int,
+    max_steps: int,
+    epochs: float,
+    model: Path,
+    stopped_early: bool = False,
+) -> None:
     """Record that this lineage trained to ``step`` and its model is written (call once the model is checked)."""
     record = {"lineage": lineage, "step": step, "max_steps": max_steps, "epochs": epochs, "model": str(model)}
-    tmp = output_dir / f"{FINISHED}.tmp"
+    if stopped_early:
+        record["stopped_early"] = True
+    _write_durably(output_dir / FINISHED, record)
+
+
+def _write_durably(path: Path, record: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp")
     with tmp.open("w", encoding="utf-8") as handle:
         handle.write(json.dumps(record))
         handle.flush()
         os.fsync(handle.fileno())
-    tmp.replace(output_dir / FINISHED)
-    _fsync_path(output_dir)
+    tmp.replace(path)
+    _fsync_path(path.parent)
+
+
+@dataclass(frozen=True)
+class Best:
+    """``dzctl-best.json``: the checkpoint of the best eval loss so far (``train.save_best``)."""
+
+    step: int
+    eval_loss: float
+    lineage: str
+
+    @property
+    def checkpoint(self) -> str:
+        return f"checkpoint-{self.step}"
+
+
+def write_best(output_dir: Path, best: Best) -> None:
+    """Name the best checkpoint (call once it is marked complete on every node)."""
+    record = {"checkpoint": best.checkpoint, "step": best.step, "eval_loss": best.eval_loss, "lineage": best.lineage}
+    _write_durably(output_dir / BEST, record)
+
+
+def read_best(output_dir: Path, lineage: str | None = None) -> Best | None:
+    """The best checkpoint's record (only ``lineage``'s when given); None when there is none or it is unreadable."""
+    try:
+        record = json.loads((output_dir / BEST).read_text(encoding="utf-8"))
+        best = Best(int(record["step"]), float(record["eval_loss"]), str(record.get("lineage", UNRECORDED)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return best if lineage is None or best.lineage == lineage else None
 
 
 def read_finished(output_dir: Path) -> Finished | None:
@@ -267,6 +320,7 @@ def read_finished(output_dir: Path) -> Finished | None:
             int(record["max_steps"]),
             float(record["epochs"]),
             str(record["model"]),
+            bool(record.get("stopped_early", False)),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none, or unreadable: the run is not known to be finished
@@ -288,6 +342,9 @@ def finished_run(
         return None
     if model_here and not Path(done.model).is_dir():
         return None
+    if done.stopped_early:
+        # Early stopping ended it short of its max_steps: finished while no more is asked than then.
+        return done if max_steps == done.max_steps and epochs <= done.epochs else None
     if max_steps > 0:
         return done if chosen.step == max_steps else None
     return done if done.max_steps <= 0 and epochs <= done.epochs else None
@@ -434,16 +491,17 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def rotate(output_dir: Path, keep: int, lineage: str) -> list[Path]:
+def rotate(output_dir: Path, keep: int, lineage: str, *, protect: int | None = None) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints of ``lineage``, and incomplete ones older than those.
 
     Called once the newest checkpoint is marked complete on every node, by the rank
     that marks this folder: the one being replaced is deleted only after its
     successor can be resumed. Another lineage's checkpoints are never deleted, not
     even damaged ones (their marker names it); an unmarked folder is nobody's.
-    Returns what was deleted.
+    ``protect``: the step of the best checkpoint (``train.save_best``), kept whatever
+    its age and not counted among the ``keep``. Returns what was deleted.
     """
-    found = list_checkpoints(output_dir)
+    found = [c for c in list_checkpoints(output_dir) if protect is None or c.step != protect]
     mine = [c for c in found if c.complete and c.lineage == lineage]
     if not mine:
         return []

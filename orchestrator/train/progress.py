@@ -3,7 +3,7 @@
 One JSON object a line, appended and flushed at once so a reader on the host sees
 each event as it happens, and printed to stdout too. Every event has all of
 these keys (``null`` where a value does not apply, e.g. ``gpu_mem_peak_gib`` on
-CPU): ``event`` (start|step|checkpoint|end|error), ``time`` (Unix seconds),
+CPU): ``event`` (start|step|eval|checkpoint|end|error), ``time`` (Unix seconds),
 ``step``, ``max_steps``, ``epoch``, ``loss``, ``learning_rate``, ``tokens_per_s``
 (the whole job: all ranks, real tokens, padding left out), ``samples_per_s`` (whole
 job, examples), ``gpu_mem_peak_gib`` (this rank's ``max_memory_allocated``), ``eta_s``.
@@ -13,7 +13,15 @@ Extra keys: ``reason`` (one line, its fix included), ``message``, ``fix``, ``ran
 that found its run finished and trained nothing, ``step_time_s`` on ``step``;
 ``processed_tokens_per_s`` (every position computed, padding included) and
 ``padding_efficiency`` (real / processed) on ``step`` and ``end``; ``packing`` and
-``attention`` (the kernel, e.g. ``dzctl_packed/varlen`` or ``sdpa``) on ``start``.
+``attention`` (the kernel, e.g. ``dzctl_packed/varlen`` or ``sdpa``) on ``start``;
+``grad_norm`` (the global gradient norm before clipping, as HF logs it) on ``step``.
+Evaluation (docs/evaluation.md): ``eval`` events carry ``eval_loss`` (per token, over
+every eval row and rank), ``eval_tokens``, ``eval_rows``, ``best_eval_loss`` and
+``best_step``, plus ``best_checkpoint`` when ``train.save_best`` keeps this step's
+checkpoint and ``stopped_early: true`` on the eval that ends the run; ``checkpoint``
+events ``best: true`` for that checkpoint; ``end`` the last ``eval_loss`` and
+``eval_tokens``, ``best_eval_loss``, ``best_step``, ``stopped_early`` and
+``best_checkpoint``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS = ("start", "step", "checkpoint", "end", "error")
+EVENTS = ("start", "step", "eval", "checkpoint", "end", "error")
 KEYS = (
     "event",
     "time",

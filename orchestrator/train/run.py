@@ -8,7 +8,8 @@ loading a 72B model once per rank never happens.
 
 Outputs in ``output_dir``: ``checkpoint-<step>/`` (ZeRO shards, resumable, every
 ``train.save_steps`` and at the end), ``model/`` (the consolidated Hugging Face
-model in safetensors, plus the tokenizer, at the end) and ``progress.jsonl``.
+model in safetensors, plus the tokenizer, at the end) and ``progress.jsonl``; with
+eval data, ``eval`` events and (``train.save_best``) ``dzctl-best.json`` (see evaluation/runner.py).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from ..planning.packing import resolve_packing
 from ..planning.trackers import tracker_env
 from ..spec.job import LoadedJob
 from . import checkpoints, gang
-from .data import conversations, prepare
+from .data import conversations
 from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
+from .datasets import data_summary, load_dataset  # noqa: F401 (data_summary: the data lines, for tests)
+from .evaluation.runner import EvalRunner, forward_kwargs
 from .model import attention, checkpointing, lora, loss
 from .progress import ProgressLog, finite
 
@@ -194,6 +197,8 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
         lr_scheduler_type=train.lr_scheduler,
         bf16=settings.precision == "bf16",
         fp16=settings.precision == "fp16",
+        # The ds_config's gradient_clipping (train.max_grad_norm, or the user's config): HF refuses a mismatch.
+        max_grad_norm=_clipping(settings.ds_config, train.max_grad_norm),
         **checkpointing.trainer_arguments(settings.gradient_checkpointing, TrainingArguments),
         save_strategy="steps" if save else "no",
         save_steps=train.save_steps,
@@ -218,19 +223,9 @@ def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> 
     )
 
 
-class SyntheticDataset(torch.utils.data.Dataset):
-    """Random token ids of full length, loss on every token: throughput benchmarks only."""
-
-    def __init__(self, length: int, seq_len: int, vocab_size: int, seed: int) -> None:
-        self.length, self.seq_len, self.vocab_size, self.seed = length, seq_len, vocab_size, seed
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=generator).tolist()
-        return {"input_ids": ids, "labels": ids}
+def _clipping(ds: dict[str, Any], default: float) -> float:
+    value = ds.get("gradient_clipping")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 class Collator:
@@ -283,12 +278,24 @@ class DzTrainer(Trainer):
     lora_base_name: str | None = None  # set for train.method: lora (the adapter's base model)
     lineage: str = ""  # this run's line of checkpoints (see checkpoints.py), set before training
     marks_folders = False  # this rank marks (and clears) the checkpoint folders of its disk
+    eval_runner: EvalRunner | None = None  # with eval data: dzctl's per-token eval (evaluation/runner.py)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        if self.eval_runner is None:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        return self.eval_runner.run(self)
 
     def save_model(self, output_dir=None, _internal_call=False):
         if self.lora_base_name is None:
             return super().save_model(output_dir, _internal_call)
         # LoRA: gather and write the adapter only, never the whole base (see lora.py).
-        lora.save_adapter(self.model, Path(output_dir or self.args.output_dir), self.lora_base_name)
+        folder = Path(output_dir or self.args.output_dir)
+        lora.save_adapter(self.model, folder, self.lora_base_name)
+        if _internal_call and self.args.should_save:
+            # A checkpoint: the base's config and the tokenizer beside the adapter, as the HF Trainer
+            # writes them for full fine-tuning, so `dzctl export` can rebuild the model from its shards.
+            self.model.get_base_model().config.save_pretrained(str(folder))
+            self.processing_class.save_pretrained(str(folder))
 
     def training_step(self, model, inputs, *args, **kwargs):
         real, processed, examples = batch_tokens(inputs)
@@ -325,8 +332,10 @@ class ProgressCallback(TrainerCallback):
         lineage: str,
         keep: int | None = None,
         start_extra: dict | None = None,
+        eval_runner: EvalRunner | None = None,
     ) -> None:
         self.log, self.ranks, self.save = log, ranks, save
+        self.eval_runner = eval_runner  # names the best checkpoint, which rotation keeps (train.save_best)
         self.lineage = lineage  # written in every marker; rotation deletes only this line's checkpoints
         self.keep = keep  # train.save_total_limit: complete checkpoints kept (None: all)
         self.start_extra = start_extra or {}  # packing and attention kernel, for the start event
@@ -392,6 +401,7 @@ class ProgressCallback(TrainerCallback):
             **self._common(state),
             loss=finite(logs.get("loss")),
             learning_rate=finite(logs.get("learning_rate")),
+            grad_norm=finite(logs.get("grad_norm")),  # before clipping (train.max_grad_norm), as HF logs it
             tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None,
             samples_per_s=round(samples_per_s, 3) if samples_per_s else None,
             eta_s=round(eta, 1) if eta is not None else None,
@@ -421,13 +431,34 @@ class ProgressCallback(TrainerCallback):
                 checkpoints.write_marker(path, world, step, self.ranks.node_ranks, lineage=lineage)
         elif self.ranks.rank == 0 and path.is_dir():
             checkpoints.write_marker(path, world, step, lineage=lineage)
+        pending = self.eval_runner.pending_best if self.eval_runner else None
+        best = {"best": True} if pending is not None and pending.step == step else {}
         if self.ranks.rank == 0 and path.is_dir():
-            self.log.write("checkpoint", **self._common(state), path=str(path))
+            self.log.write("checkpoint", **self._common(state), path=str(path), **best)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        # Every node has marked it now: only then may older ones go (by the rank that marks this folder).
+        # Every node has marked it now: only then may it be named the best, and older ones go
+        # (by the rank that marks this folder).
+        protect = self.eval_runner.checkpoint_complete(path, step) if self.eval_runner else None
         if self.keep and self.ranks.marks_folders and checkpoints.inspect(path).complete:
-            checkpoints.rotate(path.parent, self.keep, lineage)
+            checkpoints.rotate(path.parent, self.keep, lineage, protect=protect)
+
+
+def end_eval_keys(runner: EvalRunner | None, output_dir: Path) -> dict[str, Any]:
+    """The ``end`` event's eval keys: the last eval, the best, where early stopping ended the run."""
+    if runner is None:
+        return {}
+    last = runner.last or {}
+    keys: dict[str, Any] = {
+        "eval_loss": last.get("eval_loss"),
+        "eval_tokens": last.get("eval_tokens"),
+        "best_eval_loss": runner.history.best_loss,
+        "best_step": runner.history.best_step,
+        "stopped_early": runner.stopped_early_at is not None,
+    }
+    if runner.best is not None:
+        keys["best_checkpoint"] = str(output_dir / runner.best.checkpoint)
+    return keys
 
 
 def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict[str, float | None]:
@@ -498,70 +529,6 @@ def resolve_fused_loss(loaded: LoadedJob, config) -> str:
     loss.require_model_type(resolved, model_type, where)
     loss.require_available(resolved, where)
     return resolved
-
-
-def load_dataset(loaded: LoadedJob, tokenizer, settings: Settings, ranks: Ranks, vocab_size: int, log):
-    spec = loaded.spec
-    if spec.data.synthetic:
-        if settings.packing and ranks.rank == 0:
-            print("dzctl-train: packing does not apply to synthetic:random (its rows are full)", flush=True)
-        steps = spec.train.max_steps if spec.train.max_steps > 0 else 100
-        rows = steps * settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
-        return SyntheticDataset(rows, spec.train.max_seq_len, vocab_size, spec.train.seed)
-    # One builder per node writes the tokenized, packed data once; every rank maps it (data/prepare.py).
-    prepared = prepare.prepare(
-        loaded,
-        tokenizer,
-        packing=settings.packing,
-        local_rank=ranks.local_rank,
-        cache_dir=prepare.cache_dir_for(loaded, settings.output_dir),
-        say=lambda text: print(f"dzctl-train: {text}", flush=True),
-    )
-    if ranks.rank == 0:
-        for line in data_summary(prepared.data.info, spec.train.max_seq_len, settings.packing):
-            print(f"dzctl-train: {line}", flush=True)
-    return MappedDataset(prepared.data)
-
-
-def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[str]:
-    """The data lines of the log: the skipped rows, one line per source, the packing."""
-    lines = [f"skipped row: {line}" for line in info.get("skipped_lines", [])]
-    for source in info["sources"]:
-        share = ""
-        if len(info["sources"]) > 1:
-            share = f" weight {source['weight']:g}, {source['read']:,} of {source['available']:,} rows,"
-        reasoning = ""
-        if source.get("reasoning_turns"):
-            reasoning = f", {source['reasoning_turns']} assistant turns with reasoning"
-            if source.get("reasoning_dropped"):
-                reasoning += f" ({source['reasoning_dropped']} removed: data.enable_thinking false)"
-        split = f", {source['split_rows']} rows split per turn" if source.get("split_rows") else ""
-        lines.append(
-            f"data {source['label']}:{share} {source['examples']:,} examples, {source['skipped']} rows skipped, "
-            f"{source['truncated_away']} dropped (responses past max_seq_len {max_seq_len}), "
-            f"{source['untrained_turns']} assistant turns left out of the loss{split}{reasoning}"
-            + (f"; template {info['template']}" if info.get("template") else "")
-        )
-    if packed:
-        tokens, capacity = info["tokens"], info["capacity"]
-        lines.append(
-            f"data packed: {info['examples']} examples into {info['rows']} rows of {max_seq_len} tokens, packing "
-            f"efficiency {tokens / capacity:.1%} ({tokens} real tokens / {capacity} capacity)"
-        )
-    return lines
-
-
-class MappedDataset(torch.utils.data.Dataset):
-    """The node's mapped cache (data/mapped.py): examples, or packed rows when the job packs."""
-
-    def __init__(self, data) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return self.data.rows
-
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.data.item(index)
 
 
 def expected_shapes(model) -> dict[str, list[int]]:
@@ -659,7 +626,7 @@ def train(
     fused_loss = resolve_fused_loss(loaded, config)
     if ranks.rank == 0:
         print(f"dzctl-train: loss {fused_loss} (train.fused_loss: {spec.train.fused_loss})", flush=True)
-    dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
+    dataset, eval_dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     for key, value in tracker_env(spec.train.report_to, str(output_dir), os.environ.get("DZCTL_JOB_ID", "run")).items():
         os.environ.setdefault(key, value)  # the job's own launch.env wins (a tracking server, online wandb)
     args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
@@ -683,6 +650,27 @@ def train(
     used = f"{attention.NAME}/{kernel}" if kernel else str(model.config._attn_implementation)
     if ranks.rank == 0:
         print(f"dzctl-train: packing {packed}, attention {used}", flush=True)
+    collator = PackedCollator() if packed else Collator(tokenizer.pad_token_id)
+    runner = None
+    if eval_dataset is not None:
+        stopping = spec.train.early_stopping
+        runner = EvalRunner(
+            eval_dataset,
+            collator,
+            log,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            micro=settings.micro_batch_size,
+            eval_steps=spec.train.eval_steps,
+            patience=stopping.patience if stopping else None,
+            min_delta=stopping.min_delta if stopping else 0.0,
+            save=save,
+            save_best=spec.train.save_best,
+            lineage=lineage,
+            marks_folders=ranks.marks_folders,
+            output_dir=output_dir,
+            forward=forward_kwargs(model, fused_loss),
+        )
     callback = ProgressCallback(
         log,
         ranks,
@@ -690,20 +678,25 @@ def train(
         lineage=lineage,
         keep=spec.train.save_total_limit,
         start_extra={"packing": packed, "attention": used, **global_batch_fields(spec, settings, ranks)},
+        eval_runner=runner,
     )
     trainer = DzTrainer(
         model=model,
         args=args,
         train_dataset=dataset,
-        data_collator=PackedCollator() if packed else Collator(tokenizer.pad_token_id),
+        data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[callback],
+        callbacks=[callback] if runner is None else [callback, runner],
     )
     callback.trainer = trainer
-    trainer.lineage, trainer.marks_folders = lineage, ranks.marks_folders
+    trainer.lineage, trainer.marks_folders, trainer.eval_runner = lineage, ranks.marks_folders, runner
+    stopped_early = None  # the step early stopping ended the run at, once it has
     if spec.train.method == "lora":
         trainer.lora_base_name = lora.base_name(loaded, output_dir)
     result = trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
+    stopped_early = runner.stopped_early_at if runner else None
+    if stopped_early is not None and ranks.rank == 0:
+        print(f"dzctl-train: early stopping ended the run at step {stopped_early} (train.early_stopping)", flush=True)
     final_dir = None
     if save and spec.train.method == "lora":
         final_dir = lora.save_outputs(trainer, loaded, output_dir, ranks.rank)
@@ -729,6 +722,7 @@ def train(
                 max_steps=spec.train.max_steps,
                 epochs=spec.train.epochs,
                 model=final_dir,
+                stopped_early=stopped_early is not None,
             )
     peaks = gather_memory_peaks()
     if ranks.rank == 0:
@@ -754,6 +748,7 @@ def train(
             step_times_s=[round(t, 4) for t in step_times],
             # Per rank: [max_memory_allocated, max_memory_reserved] in GiB, rank order.
             gpu_mem_peak_gib_per_rank=peaks,
+            **end_eval_keys(runner, output_dir),
         )
     if math.isnan(getattr(result, "training_loss", 0.0) or 0.0):
         raise RuntimeError("training loss is NaN")

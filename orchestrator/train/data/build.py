@@ -17,7 +17,11 @@ Files (all raw little-endian arrays, described in the manifest):
   vocabulary has fewer than 32,768 tokens, else uint32);
 - ``example_offsets.bin`` (int64, examples + 1) and ``example_source.bin`` (uint16);
 - ``row_offsets.bin`` (int64, rows + 1) and ``row_examples.bin`` (uint32): the packed rows
-  as lists of example indices (only with packing).
+  as lists of example indices (only with packing);
+- with ``data.eval_split`` (``holdout.py`` chooses): ``train_examples.bin`` and
+  ``eval_examples.bin`` (uint32, ascending): the examples trained on and those held out; the
+  packed rows above then hold only training examples, and ``eval_row_offsets.bin`` /
+  ``eval_row_examples.bin`` pack the held-out ones the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 from ...planning.chattemplate import AUTO, ChatTemplate
 from ...planning.datafiles import Malformed
 from ...planning.datarows import DataError, to_turns
-from . import packing, sources
+from . import holdout, packing, sources
 from .chat import IGNORE, ChatRenderer, TurnStats, encode_rows, make_renderer
 from .conversations import Conversation
 from .mix import mix_counts
@@ -59,6 +63,7 @@ class BuildSettings:
     seed: int
     on_error: str  # fail | skip
     window: int = packing.DEFAULT_WINDOW
+    eval_split: float | int | None = None  # data.eval_split: rows held out of training (holdout.py)
     template: ChatTemplate | None = None  # data.template resolved (None: auto)
     enable_thinking: object = AUTO  # data.enable_thinking
 
@@ -103,29 +108,40 @@ _WORKER: dict[str, Any] = {}
 
 def encode_batch(
     conversations: list[Conversation], tokenizer: Any, max_len: int, renderer: ChatRenderer, stats: TurnStats
-) -> list[tuple[list[int], list[int]]]:
-    """Every example of these conversations, as ``conversations.encode_all`` makes them (one tokenizer call)."""
+) -> list[list[tuple[list[int], list[int]]]]:
+    """Each conversation's examples, as ``conversations.encode_all`` makes them (one tokenizer call for all)."""
     turns = [(c.messages, c.reasoning) for c in conversations]
     rows = encode_rows(turns, tokenizer, renderer, max_len, stats, [c.where for c in conversations])
-    return [example for row in rows for example in row.examples]
+    return [row.examples for row in rows]
 
 
-def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, TurnStats]:
+def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, TurnStats, np.ndarray]:
     tokenizer, max_len, dtype, bit = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER["dtype"], _WORKER["bit"]
+    key_seed = _WORKER.get("key_seed")  # data.eval_split: each kept example's row key (holdout.py)
     pieces: list[np.ndarray] = []
     lengths: list[int] = []
+    keys: list[int] = []
     truncated = 0
     stats = TurnStats()
-    for ids, labels in encode_batch(conversations, tokenizer, max_len, _WORKER["renderer"], stats):
-        values = np.asarray(ids, dtype=np.int64)
-        trained = np.asarray(labels, dtype=np.int64) != IGNORE
-        if not trained.any():
-            truncated += 1
-            continue
-        pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
-        lengths.append(len(ids))
+    renderer = _WORKER["renderer"]
+    for conversation, examples in zip(
+        conversations, encode_batch(conversations, tokenizer, max_len, renderer, stats), strict=True
+    ):
+        # Every example of a row (one per turn where the template re-renders history) has the row's key,
+        # so a held-out row is held out whole.
+        key = holdout.row_key(conversation.messages, key_seed) if key_seed is not None else None
+        for ids, labels in examples:
+            values = np.asarray(ids, dtype=np.int64)
+            trained = np.asarray(labels, dtype=np.int64) != IGNORE
+            if not trained.any():
+                truncated += 1
+                continue
+            pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
+            lengths.append(len(ids))
+            if key is not None:
+                keys.append(key)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), truncated, stats
+    return tokens, np.asarray(lengths, dtype=np.int64), truncated, stats, np.asarray(keys, dtype=np.uint64)
 
 
 def _quiet_tokenizer() -> None:
@@ -171,8 +187,11 @@ def build(
             available.append(min(counted, source.spec.max_rows or counted))
         take = list(mix_counts(available, [s.spec.weight for s in found]))
     workers = worker_count() if workers is None else workers
+    key_seed = settings.seed if settings.eval_split is not None else None
     chat = make_renderer(tokenizer, settings.template, settings.enable_thinking)
-    _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit, renderer=chat)
+    _WORKER.update(
+        tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit, key_seed=key_seed, renderer=chat
+    )
     # fork: the workers inherit the tokenizer as it is (no pickling, no re-import of transformers).
     # gc.freeze: the workers' collector then never walks (and so never copies) the objects they share
     # with this rank through fork (torch, transformers, the tokenizer): their pages stay shared.
@@ -181,6 +200,7 @@ def build(
     gc.unfreeze()
     lengths = array("q")
     source_of = array("H")
+    keys = array("Q")  # the examples' row keys, with data.eval_split only
     skipped_lines: list[str] = []
     pending: deque = deque()
     started = time.monotonic()
@@ -192,8 +212,9 @@ def build(
             def drain(limit: int) -> None:
                 while len(pending) > limit:
                     index, result = pending.popleft()
-                    tokens, chunk_lengths, truncated, turns = result.get()
+                    tokens, chunk_lengths, truncated, turns, chunk_keys = result.get()
                     tokens.tofile(tokens_out)
+                    keys.extend(chunk_keys.tolist())
                     lengths.extend(chunk_lengths.tolist())
                     source_of.extend([index] * len(chunk_lengths))
                     stat = stats[index]
@@ -264,15 +285,35 @@ def build(
         "workers": workers,
         "template": chat.description,
     }
+    all_lengths = np.frombuffer(lengths, dtype=np.int64)
+    trained = np.arange(len(lengths))
+    if settings.eval_split is not None:
+        held = holdout.held_out(np.frombuffer(keys, dtype=np.uint64), settings.eval_split)
+        trained, evaluated = np.flatnonzero(~held), np.flatnonzero(held)
+        _write(folder, "train_examples.bin", trained.astype("<u4"), files)
+        _write(folder, "eval_examples.bin", evaluated.astype("<u4"), files)
+        info["train_examples"], info["train_tokens"] = len(trained), int(all_lengths[trained].sum())
+        info["eval_examples"], info["eval_tokens"] = len(evaluated), int(all_lengths[evaluated].sum())
+        if settings.packing:
+            info["eval_rows"] = _pack_into(folder, "eval_", evaluated, all_lengths, settings, files)
     if settings.packing:
-        rows = packing.pack(lengths.tolist(), settings.max_seq_len, settings.seed, settings.window)
-        row_offsets = np.zeros(len(rows) + 1, dtype="<i8")
-        np.cumsum([len(r) for r in rows], out=row_offsets[1:])
-        _write(folder, "row_offsets.bin", row_offsets, files)
-        _write(folder, "row_examples.bin", np.fromiter((i for r in rows for i in r), dtype="<u4"), files)
-        info["rows"] = len(rows)
-        info["capacity"] = len(rows) * settings.max_seq_len
+        info["rows"] = _pack_into(folder, "", trained, all_lengths, settings, files)
+        info["capacity"] = info["rows"] * settings.max_seq_len
     return BuildResult(files=files, info=info, skipped_lines=skipped_lines)
+
+
+def _pack_into(
+    folder: Path, prefix: str, members: np.ndarray, lengths: np.ndarray, settings: BuildSettings, files: dict
+) -> int:
+    """Pack the examples ``members`` (indices, ascending) into rows; write them; return how many rows."""
+    rows = packing.pack(lengths[members].tolist(), settings.max_seq_len, settings.seed, settings.window)
+    row_offsets = np.zeros(len(rows) + 1, dtype="<i8")
+    np.cumsum([len(r) for r in rows], out=row_offsets[1:])
+    _write(folder, f"{prefix}row_offsets.bin", row_offsets, files)
+    # pack() numbers the members from 0: back to the examples' own indices.
+    examples = members[np.fromiter((i for r in rows for i in r), dtype=np.int64, count=int(row_offsets[-1]))]
+    _write(folder, f"{prefix}row_examples.bin", examples.astype("<u4"), files)
+    return len(rows)
 
 
 def _write(folder: Path, name: str, values: np.ndarray, files: dict[str, dict[str, Any]]) -> None:

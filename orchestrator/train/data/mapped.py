@@ -5,6 +5,10 @@ cache's, shared by every rank of the node (and counted once), and a rank's priva
 is what one micro-batch decodes, whatever the size of the data. An item is the same
 ``dict`` of lists that the in-memory path gave (``conversations.encode_all`` and
 ``packing.packed_example``), so the collators and the Trainer see no difference.
+
+``part``: the training examples (``train``, all of them unless ``data.eval_split`` held some
+out) or the held-out ones (``eval``); a cache built from ``data.eval``'s own sources is read
+whole, as ``train`` (build.py writes the files).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from .packing import IGNORE
 
 
 class MappedData:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, part: str = "train") -> None:
         manifest = read_manifest(folder)
         if manifest is None:
             raise FileNotFoundError(f"{folder}: no manifest")
@@ -32,8 +36,15 @@ class MappedData:
         self.tokens = self._arrays["tokens.bin"]
         self.offsets = self._arrays["example_offsets.bin"]
         self.sources = self._arrays["example_source.bin"]
-        self.row_offsets = self._arrays.get("row_offsets.bin")
-        self.row_examples = self._arrays.get("row_examples.bin")
+        if part not in ("train", "eval"):
+            raise ValueError(f"part {part!r}: train or eval")
+        prefix = "eval_" if part == "eval" else ""
+        if part == "eval" and "eval_examples.bin" not in self._arrays:
+            raise FileNotFoundError(f"{folder}: no examples were held out for evaluation in this cache")
+        # The examples of this part (None: every example of the cache, in order).
+        self.members = self._arrays.get(f"{part}_examples.bin")
+        self.row_offsets = self._arrays.get(f"{prefix}row_offsets.bin")
+        self.row_examples = self._arrays.get(f"{prefix}row_examples.bin")
 
     def _map(self, name: str, meta: dict[str, Any]) -> np.ndarray:
         if meta["count"] == 0:
@@ -50,7 +61,9 @@ class MappedData:
 
     @property
     def rows(self) -> int:
-        return len(self.row_offsets) - 1 if self.row_offsets is not None else self.examples
+        if self.row_offsets is not None:
+            return len(self.row_offsets) - 1
+        return len(self.members) if self.members is not None else self.examples
 
     def example_arrays(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         raw = np.asarray(self.tokens[self.offsets[index] : self.offsets[index + 1]], dtype=np.int64)
@@ -80,4 +93,6 @@ class MappedData:
         }
 
     def item(self, index: int) -> dict[str, list[int]]:
-        return self.packed_row(index) if self.packed else self.example(index)
+        if self.packed:
+            return self.packed_row(index)
+        return self.example(int(self.members[index]) if self.members is not None else index)

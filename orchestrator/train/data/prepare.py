@@ -13,6 +13,10 @@ build (bounded, see ``build.py``).
 The other ranks wait with a bound: ``DZCTL_DATA_WAIT_S`` (default 300 s) without a word
 from the builder (its note is rewritten every few seconds while it works) is an error
 naming the builder; a builder that failed makes every rank fail with its reason.
+
+``data.eval`` (evaluation data of its own) is a second cache, built and mapped the same way
+(``source_set="eval"``, with its own run note); ``data.eval_split`` holds rows out of the
+training cache itself (``build.py``, ``holdout.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ def key_material(found: list[sources.Source], tokenizer: Any, settings: BuildSet
         "template": [settings.template.name, settings.template.digest] if settings.template else None,
         "enable_thinking": settings.enable_thinking,
     }
+    if settings.eval_split is not None:
+        # Only when set: the key of every cache built without it stays as it was.
+        material["eval_split"] = {"split": settings.eval_split, "seed": settings.seed}
     fingerprints.save()
     return material
 
@@ -89,22 +96,27 @@ def prepare(
     local_rank: int,
     cache_dir: Path,
     say: Callable[[str], None],
+    source_set: str = "train",
 ) -> Prepared:
+    """The node's cache of ``source_set``: the training data (``train``) or ``data.eval``'s own (``eval``)."""
     spec = loaded.spec
+    split = spec.data.eval_split if source_set == "train" else None
     settings = BuildSettings(
         spec.train.max_seq_len,
         packing,
         spec.train.seed,
         spec.data.on_error,
+        eval_split=split,
         template=node_chat_template(loaded),
         enable_thinking=spec.data.enable_thinking,
     )
     cache_dir.mkdir(parents=True, exist_ok=True)
-    note = cache.RunNote(cache_dir, cache.launch_token())
+    token = cache.launch_token()
+    note = cache.RunNote(cache_dir, token if source_set == "train" else f"{token}-{source_set}")
     if local_rank != 0:
         return _wait_for_builder(note, cache_dir, say)
     try:
-        prepared = _as_builder(loaded, tokenizer, settings, cache_dir, note, say)
+        prepared = _as_builder(loaded, tokenizer, settings, cache_dir, note, say, source_set)
     except BaseException as exc:
         reason = exc.message if isinstance(exc, DzError) else f"{type(exc).__name__}: {exc}"
         note.write("failed", reason=reason, fix=getattr(exc, "fix", None), input=isinstance(exc, DataError))
@@ -113,10 +125,10 @@ def prepare(
     return prepared
 
 
-def _as_builder(loaded, tokenizer, settings: BuildSettings, cache_dir: Path, note, say) -> Prepared:
+def _as_builder(loaded, tokenizer, settings: BuildSettings, cache_dir: Path, note, say, source_set) -> Prepared:
     started = time.monotonic()
     note.write("building", stage="key")
-    found = sources.resolve_sources(loaded)
+    found = sources.resolve_sources(loaded, source_set)
     key = cache.cache_key(key_material(found, tokenizer, settings, cache_dir))
     folder = cache_dir / key
     lock = cache.KeyLock(cache_dir, key)

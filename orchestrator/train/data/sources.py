@@ -45,9 +45,11 @@ class Source:
         return f"source {self.index + 1} ({self.display})"
 
 
-def resolve_sources(loaded: LoadedJob) -> list[Source]:
+def resolve_sources(loaded: LoadedJob, source_set: str = "train") -> list[Source]:
+    """The training data's sources (``train``), or ``data.eval``'s (``eval``)."""
+    data = loaded.spec.data
     out = []
-    for index, spec in enumerate(loaded.spec.data.all_sources()):
+    for index, spec in enumerate(data.all_sources() if source_set == "train" else data.eval_sources()):
         if spec.path.startswith(HUB_PREFIX):
             out.append(Source(index, spec, spec.path[len(HUB_PREFIX) :], "hub"))
             continue

@@ -176,7 +176,10 @@ def gather_head_weight_with(model) -> None:
 
 
 def _chunked_forward(self, *args, labels=None, **kwargs):
-    """The causal-LM forward with the chunked loss in place of logits + cross-entropy (training only).
+    """The causal-LM forward with the chunked loss in place of logits + cross-entropy, whenever labels are given.
+
+    In training, and in dzctl's own eval (``train/evaluation/loss.py``, eval mode, no gradients),
+    which computes the same loss the same way; a forward without labels (generation) is the plain one.
 
     Written against the shape every model in ``FUSED_MODEL_TYPES`` shares
     (``outputs = self.model(...)``; ``logits = self.lm_head(outputs[0])``), passing
@@ -184,7 +187,7 @@ def _chunked_forward(self, *args, labels=None, **kwargs):
     """
     plain = type(self).forward
     shift_labels = kwargs.get("shift_labels")
-    if args or not self.training or (labels is None and shift_labels is None):
+    if args or (labels is None and shift_labels is None):
         return plain(self, *args, labels=labels, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

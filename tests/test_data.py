@@ -51,8 +51,8 @@ def test_alpaca_labels_cover_only_the_response(tmp_path, tokenizer):
     )
     (conv,) = read_conversations(path, "alpaca", "fail").conversations
     assert conv.messages == (("user", "翻译成英文。\n\n我喜欢喝茶。"), ("assistant", "I like tea."))
-    ids, labels, untrained = encode(conv, tokenizer, 1024)
-    assert untrained == 0
+    ((ids, labels),), stats = encode(conv, tokenizer, 1024)
+    assert stats.untrained_turns == 0
     assert tokenizer.decode(ids) == (
         "<|im_start|>user\n翻译成英文。\n\n我喜欢喝茶。<|im_end|>\n<|im_start|>assistant\nI like tea.<|im_end|>\n"
     )
@@ -66,7 +66,7 @@ def test_plain_template_without_chat_template(tmp_path, tokenizer):
     plain = build_byte_level_tokenizer()
     plain.chat_template = None
     conv = Conversation((("system", "Be brief."), ("user", "2+2?"), ("assistant", "4")), "x:row 1")
-    ids, labels, _ = encode(conv, plain, 1024)
+    ((ids, labels),), _ = encode(conv, plain, 1024)
     assert plain.decode(ids) == "Be brief.\n\n### Instruction:\n2+2?\n\n### Response:\n4<|im_end|>\n\n"
     assert _trained_text(plain, ids, labels) == "4<|im_end|>\n\n"
 
@@ -81,12 +81,12 @@ def test_messages_multi_turn_trains_every_assistant_turn(tmp_path, tokenizer):
         ]
     }
     (conv,) = read_conversations(_write(tmp_path / "m.jsonl", [row]), "messages", "fail").conversations
-    ids, labels, untrained = encode(conv, tokenizer, 1024)
-    assert untrained == 0
+    ((ids, labels),), stats = encode(conv, tokenizer, 1024)
+    assert stats.untrained_turns == 0 and stats.split_rows == 0  # ChatML keeps the history: one example
     assert _trained_text(tokenizer, ids, labels) == "你好！<|im_end|>\n再见！<|im_end|>\n"
 
 
-def test_template_that_rewrites_history_leaves_those_turns_out(tokenizer):
+def test_template_that_rewrites_history_trains_every_turn_in_its_own_example(tokenizer):
     class Rewriting:
         """A chat template that drops earlier assistant turns' text (as Qwen3's drops their reasoning)."""
 
@@ -105,9 +105,14 @@ def test_template_that_rewrites_history_leaves_those_turns_out(tokenizer):
             return tokenizer(text, add_special_tokens=add_special_tokens)
 
     conv = Conversation((("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")), "x:row 1")
-    ids, labels, untrained = encode(conv, Rewriting(), 1024)
-    assert untrained == 1
-    assert _trained_text(tokenizer, ids, labels) == "d\n"
+    examples, stats = encode(conv, Rewriting(), 1024)
+    assert stats.untrained_turns == 0 and stats.split_rows == 1
+    # Turn 1 with its own text; turn 2 after the history as the template re-renders it.
+    assert [tokenizer.decode(ids) for ids, _ in examples] == [
+        "user: a\nassistant: b\n",
+        "user: a\nassistant: ...\nuser: c\nassistant: d\n",
+    ]
+    assert [_trained_text(tokenizer, ids, labels) for ids, labels in examples] == ["b\n", "d\n"]
 
 
 def test_truncation_and_rows_cut_away(tmp_path, tokenizer):

@@ -264,3 +264,20 @@ def test_cli_plan_prints_the_step_time_bound_and_warning(tmp_path):
     assert "step time not predicted: the inter-node bandwidth is not known (give --link-gbps" in bare.output
     bad = runner.invoke(main, [*args, "--gpu-kind", "B9000"])
     assert bad.exit_code == 2 and "--gpu-kind B9000: not a known GPU kind" in bad.output
+
+
+@pytest.mark.parametrize("global_batch", [192, 384])
+def test_a_zero_setting_that_takes_a_smaller_micro_batch_keeps_the_global_batch_the_spec_fixed(tmp_path, global_batch):
+    # 2 × 8 A100-40GB-sized GPUs on a 25 Gbit/s link: hpZ's secondary copy fits only at a smaller micro-batch.
+    # Before, the choice kept the accumulation and took any smaller micro-batch: 192 rows became 11 × 1 × 16 = 176.
+    text = (REPO / "jobs" / "qwen3-8b.yaml").read_text(encoding="utf-8")
+    assert "  gradient_accumulation_steps: 8\n" in text
+    job_file = tmp_path / "qwen3-8b.yaml"
+    job_file.write_text(text.replace("  gradient_accumulation_steps: 8\n", ""), encoding="utf-8")
+    job = load_job(job_file, [f"train.global_batch_size={global_batch}"])
+    speed = SpeedInputs(gpu=H100, links=_links(25))
+    plan, ds = plan_for_job(read_inputs(job), [8, 8], gpu_mem_gib=40, host_mem_gib=1024, speed=speed)
+    assert plan.choice.micro_batch_size * plan.gradient_accumulation_steps * plan.world_size == global_batch
+    assert ds["train_batch_size"] == global_batch
+    assert ds["gradient_accumulation_steps"] == plan.gradient_accumulation_steps
+    assert ds["train_micro_batch_size_per_gpu"] == plan.choice.micro_batch_size

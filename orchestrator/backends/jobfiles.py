@@ -46,6 +46,9 @@ def node_spec(job: ResolvedJob, node: NodePlan) -> dict:
         target = section if section["sources"] is None else section["sources"][item.index]
         target["shipped_from"] = target["path"]
         target["path"] = f"{job_dir}/{item.name}"
+    template = job.inputs.chat_template
+    if template.text is not None and data["data"]["template"] not in ("chatml", "plain"):
+        data["data"]["template_text"] = template.text  # a PATH.jinja travels inside job.yaml
     settings = job.settings
     data["train"]["micro_batch_size"] = settings.micro_batch_size
     data["train"]["gradient_checkpointing"] = settings.checkpointing_setting

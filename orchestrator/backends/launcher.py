@@ -26,7 +26,7 @@ from ..errors import RuntimeFailure, SpecError
 from ..planning.dsconfig import BF16_MIN_COMPUTE_CAPABILITY, bf16_supported_by
 from ..planning.inputs import JobInputs, job_secrets, read_inputs
 from ..planning.launchplan import LaunchPlan, make_plan
-from ..planning.memory.fromjob import nvme_reading, plan_for_job
+from ..planning.memory.fromjob import check_global_batch, nvme_reading, plan_for_job
 from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.resolve import ResolvedJob, resolve_job
@@ -213,6 +213,7 @@ def prepare(
     options = options or LaunchOptions()
     progress = progress or Silent()
     inputs = read_inputs(job)  # input errors here: no host touched, no job recorded
+    check_global_batch(inputs, [n.num_slots for n in nodes])  # a global batch these ranks cannot split
     ssh_client = client_from_env()  # DZCTL_SSH_CLIENT, read before any host is touched
     job_id = job_id or new_job_id(job.spec.name)
     phases = Phases()

@@ -179,6 +179,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"{c.checkpointing_words(plan.estimate.num_layers)} ({how(train.gradient_checkpointing)}), offload {c.offload} "
         f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
         f"{plan.train_batch_size}",
+        global_batch_line(plan),
         f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",
     ]
     lines += _method_lines(plan)
@@ -207,6 +208,22 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
     lines += [f"note: {note}" for note in plan.notes]
     lines += speed_lines(plan)
     return "\n".join(lines)
+
+
+def global_batch_line(plan: MemoryPlan) -> str:
+    """The global batch, and whether the spec fixes it or these GPUs' micro-batch decides it."""
+    c = plan.choice
+    rows = plan.train_batch_size
+    split = (
+        f"global batch {rows} rows ({rows * plan.seq_len:,} tokens at seq {plan.seq_len}) = micro-batch "
+        f"{c.micro_batch_size} × accumulation {plan.gradient_accumulation_steps} × {plan.world_size} ranks"
+    )
+    if plan.global_batch_key is not None:
+        return f"{split}, as {plan.global_batch_key} fixes it on any hardware"
+    return (
+        f"{split}: it depends on the hardware (other GPUs fit another micro-batch); "
+        "set train.global_batch_size to keep it"
+    )
 
 
 def _method_lines(plan: MemoryPlan) -> list[str]:

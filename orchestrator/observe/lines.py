@@ -16,12 +16,23 @@ def rate_text(tokens_per_s: float | None, world_size: int, per: str) -> str | No
     return f"{tokens_per_s / max(world_size, 1):,.0f} tok/s/{per}"
 
 
+def global_batch_text(start: dict | None) -> str | None:
+    """The start event's global batch, and whether the spec fixes it or the hardware decided it."""
+    rows = (start or {}).get("global_batch_size")
+    if not isinstance(rows, int):
+        return None  # a trainer from before the key
+    how = "fixed by the spec" if start.get("global_batch_fixed") else "depends on the hardware"
+    return f"global batch {rows} rows ({how})"
+
+
 def event_line(event: dict, watch: JobWatch) -> str | None:
     kind = event.get("event")
     per = "GPU" if watch.accelerator == "gpu" else "rank"
     if kind == "start":
-        return f"start  {watch.job_id}: {watch.world_size} rank(s) on {len(watch.nodes)} node(s)" + (
-            f", resuming at step {event['step']}" if event.get("step") else ""
+        return (
+            f"start  {watch.job_id}: {watch.world_size} rank(s) on {len(watch.nodes)} node(s)"
+            + (f", resuming at step {event['step']}" if event.get("step") else "")
+            + (f", {global_batch_text(event)}" if global_batch_text(event) else "")
         )
     if kind == "step":
         parts = [f"step {event.get('step')}/{event.get('max_steps')}"]

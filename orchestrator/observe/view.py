@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .lines import rate_text
+from .lines import global_batch_text, rate_text
 from .rankfailure import failure_lines
 from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 
@@ -42,6 +42,7 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
         f"step {step}/{max_steps or '?'}",
         f"epoch {last_step['epoch']:.2f}" if last_step and last_step.get("epoch") is not None else "epoch -",
         f"eta {format_duration(0 if watch.state == 'succeeded' else (last_step or {}).get('eta_s'))}",
+        global_batch_text(watch.last("start")) or "",
     )
 
     parts: list[RenderableType] = [header]

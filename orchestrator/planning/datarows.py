@@ -15,7 +15,9 @@ Formats:
 - ``sharegpt``: ``conversations``, a list of ``{"from": human|gpt|system, "value": text}``
   (``user``/``assistant`` are taken too), optional top-level ``system``.
 
-``columns`` renames the fields: ``{instruction: prompt, output: completion}`` reads the
+An assistant turn of ``messages`` or ``sharegpt`` may carry ``reasoning_content`` (its reasoning,
+as OpenAI-style APIs and Qwen3's template name it); ``to_turns`` returns it beside the turns,
+``to_messages`` leaves it out. ``columns`` renames the fields: ``{instruction: prompt, output: completion}`` reads the
 instruction from the row's ``prompt``. Every format needs at least one assistant turn
 with text: a row with nothing to learn from is an error, not silently kept.
 """
@@ -30,6 +32,7 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 Messages = tuple[tuple[str, str], ...]
+Reasoning = tuple[str | None, ...]  # per turn of a Messages: the assistant turn's reasoning_content, else None
 
 
 class DataError(InputError):
@@ -59,11 +62,17 @@ def _mismatch_hint(row: dict[str, Any], fmt: str) -> str:
 
 def to_messages(row: Any, fmt: str, where: str, columns: dict[str, str] | None = None) -> Messages:
     """The conversation of one row; ``DataError`` naming ``where`` and the reason when it has none."""
+    return to_turns(row, fmt, where, columns)[0]
+
+
+def to_turns(row: Any, fmt: str, where: str, columns: dict[str, str] | None = None) -> tuple[Messages, Reasoning]:
+    """The conversation of one row and each turn's ``reasoning_content`` (None where it has none)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     cols = columns or {}
     if fmt == "alpaca":
-        return _alpaca(row, where, cols)
+        turns = _alpaca(row, where, cols)
+        return turns, (None,) * len(turns)
     if fmt == "messages":
         return _chat(row, where, cols)
     if fmt == "sharegpt":
@@ -115,15 +124,17 @@ def _alpaca(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
 
 def _turns(
     row: dict[str, Any], where: str, cols: dict[str, str], fmt: str, list_key: str, role_key: str, text_key: str
-) -> list[tuple[str, str]]:
+) -> tuple[list[tuple[str, str]], list[str | None]]:
     items = row.get(_column(cols, list_key))
     if items is None:
         raise DataError(f"{where}: missing key {_shown(cols, list_key)}{_mismatch_hint(row, fmt)}")
     if not isinstance(items, list) or not items:
         raise DataError(f"{where}: {_shown(cols, list_key)} must be a non-empty list")
     role_col, text_col = _column(cols, role_key), _column(cols, text_key)
+    reasoning_col = _column(cols, "reasoning_content")
     known = ROLES if fmt == "messages" else tuple(SHAREGPT_ROLES)
     out = []
+    reasoning: list[str | None] = []
     for index, item in enumerate(items):
         at = f"{where}: {_column(cols, list_key)}[{index}]"
         if not isinstance(item, dict):
@@ -133,21 +144,29 @@ def _turns(
             raise DataError(f"{at}: {role_col} must be one of {', '.join(known)}, got {role!r}")
         if not isinstance(content, str):
             raise DataError(f"{at}: {text_col} must be text, got {type(content).__name__}")
-        out.append((role if fmt == "messages" else SHAREGPT_ROLES[role], content))
-    return out
+        role = role if fmt == "messages" else SHAREGPT_ROLES[role]
+        thought = item.get(reasoning_col)
+        if thought is not None and not isinstance(thought, str):
+            raise DataError(f"{at}: {reasoning_col} must be text, got {type(thought).__name__}")
+        if thought is not None and role != "assistant":
+            raise DataError(f"{at}: {reasoning_col} belongs to assistant turns, this one is {role!r}")
+        out.append((role, content))
+        reasoning.append(thought)
+    return out, reasoning
 
 
-def _chat(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
-    out = _turns(row, where, cols, "messages", "messages", "role", "content")
-    return _with_an_answer(out, where)
+def _chat(row: dict[str, Any], where: str, cols: dict[str, str]) -> tuple[Messages, Reasoning]:
+    out, reasoning = _turns(row, where, cols, "messages", "messages", "role", "content")
+    return _with_an_answer(out, where), tuple(reasoning)
 
 
-def _sharegpt(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
-    out = _turns(row, where, cols, "sharegpt", "conversations", "from", "value")
+def _sharegpt(row: dict[str, Any], where: str, cols: dict[str, str]) -> tuple[Messages, Reasoning]:
+    out, reasoning = _turns(row, where, cols, "sharegpt", "conversations", "from", "value")
     system = _text(row, "system", where, cols, required=False, fmt="sharegpt")
     if system.strip() and not (out and out[0][0] == "system"):
         out.insert(0, ("system", system))
-    return _with_an_answer(out, where)
+        reasoning.insert(0, None)
+    return _with_an_answer(out, where), tuple(reasoning)
 
 
 def _with_an_answer(turns: list[tuple[str, str]], where: str) -> Messages:

@@ -18,7 +18,8 @@ from typing import Any
 from ..errors import InputError
 from ..spec.job import HUB_PREFIX, DataSource, JobSpec, LoadedJob, is_secret_name, read_env_file
 from . import datafiles, fusedloss
-from .datarows import DataError, to_messages
+from .chattemplate import AUTO_TEMPLATE, ChatTemplate, resolve_chat_template
+from .datarows import DataError, to_turns
 from .dsconfig import load_user_config
 from .evalsplit import EVAL_SPLIT_FIX, split_problem
 from .fusedloss import FusedLoss
@@ -37,6 +38,7 @@ class JobInputs:
     shape: ModelShape
     packing: bool  # train.packing, resolved
     fused_loss: FusedLoss  # train.fused_loss, resolved for the model type
+    chat_template: ChatTemplate = AUTO_TEMPLATE  # data.template, a file read and checked
 
     @property
     def spec(self) -> JobSpec:
@@ -67,6 +69,7 @@ def read_inputs(job: LoadedJob) -> JobInputs:
     """Read and check every local input of ``job``; raise the input error a launch would otherwise meet later."""
     secrets = job_secrets(job)
     shipped = check_data_sources(job)
+    chat_template = resolve_chat_template(job)  # data.template: a file that exists and renders
     check_eval_split(job, shipped)
     user = load_user_config(job)  # zero.config: exists, JSON, stage 3
     shape = shape_for_job(job)  # the memory planner needs the model's shape: config.json, catalogue or model.config
@@ -79,6 +82,7 @@ def read_inputs(job: LoadedJob) -> JobInputs:
         shape=shape,
         packing=resolve_packing(spec),
         fused_loss=fusedloss.resolve(spec.train.fused_loss, accelerator=spec.accelerator, model_type=shape.model_type),
+        chat_template=chat_template,
     )
 
 
@@ -220,7 +224,7 @@ def check_first_rows(job: LoadedJob, source: DataSource, path: Path, where: str)
         try:
             if isinstance(row, datafiles.Malformed):
                 raise DataError(f"{row_where}: {row.reason}")
-            to_messages(row, source.format or "alpaca", row_where, source.columns)
+            to_turns(row, source.format or "alpaca", row_where, source.columns)
         except DataError as exc:
             problems.append(exc)
     # data.on_error: skip passes over bad rows, but not over a file whose first rows all fail.

@@ -58,8 +58,8 @@ DataFormat = Literal["alpaca", "messages", "sharegpt"]
 # is in the row's ``prompt`` column). The row formats themselves: orchestrator/planning/datarows.py.
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "input", "output", "system", "history"),
-    "messages": ("messages", "role", "content"),
-    "sharegpt": ("conversations", "from", "value", "system"),
+    "messages": ("messages", "role", "content", "reasoning_content"),
+    "sharegpt": ("conversations", "from", "value", "system", "reasoning_content"),
 }
 HUB_PREFIX = "hf:"
 
@@ -139,6 +139,12 @@ class DataSpec(_Strict):
     shipped_from: str | None = None  # as DataSource.shipped_from, for data.path
     # Where the nodes keep tokenized data (train/data/cache.py). None: <output_dir>/data-cache.
     cache_dir: str | None = None
+    # The chat template (planning/chattemplate.py): auto (the tokenizer's own) | chatml | plain | PATH.jinja.
+    template: str = Field("auto", min_length=1)
+    # Passed to the template as enable_thinking (Qwen3's switch); auto: not passed (README: reasoning rows).
+    enable_thinking: Union[bool, Literal["auto"]] = "auto"  # noqa: UP007
+    # Written by dzctl launch: a PATH.jinja template's text, so the nodes need no copy of the file.
+    template_text: str | None = None
     # Evaluation (orchestrator/train/data/holdout.py): rows of the training data held out (a
     # fraction, or a count), or data of its own (data.eval). Not both.
     eval_split: Annotated[int | float | None, BeforeValidator(_no_bool), AfterValidator(_check_eval_split)] = None
@@ -166,6 +172,13 @@ class DataSpec(_Strict):
         for source in self.eval_sources():
             _check_columns(source.columns or {}, source.format or self.format)
         return self
+
+    @field_validator("enable_thinking", mode="before")
+    @classmethod
+    def _thinking_is_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("must be true, false or auto")
+        return value
 
     @field_validator("cache_dir")
     @classmethod
@@ -262,6 +275,10 @@ class TrainSpec(_Strict):
     max_seq_len: int = Field(2048, ge=8)
     micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = "auto"  # noqa: UP007
     gradient_accumulation_steps: int = Field(1, ge=1)
+    # A global batch that does not change with the hardware (planning/memory/globalbatch.py): rows, or
+    # tokens (rows of max_seq_len) per optimizer step; the planner picks micro-batch and accumulation.
+    global_batch_size: int | None = Field(None, ge=1)
+    global_batch_tokens: int | None = Field(None, ge=1)
     epochs: float = Field(1.0, gt=0)
     max_steps: int = Field(-1, ge=-1)  # -1: run ``epochs`` over the data
     learning_rate: float = Field(1e-5, gt=0)
@@ -315,6 +332,12 @@ class TrainSpec(_Strict):
         if isinstance(value, float):
             raise ValueError("must be true, false, auto or a whole number of layers")
         return value
+
+    @model_validator(mode="after")
+    def _one_global_batch(self) -> TrainSpec:
+        if self.global_batch_size is not None and self.global_batch_tokens is not None:
+            raise ValueError("give train.global_batch_size (rows) or train.global_batch_tokens, not both")
+        return self
 
 
 class ZeroSpec(_Strict):

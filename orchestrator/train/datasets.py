@@ -76,10 +76,17 @@ def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[s
         share = ""
         if len(info["sources"]) > 1:
             share = f" weight {source['weight']:g}, {source['read']:,} of {source['available']:,} rows,"
+        reasoning = ""
+        if source.get("reasoning_turns"):
+            reasoning = f", {source['reasoning_turns']} assistant turns with reasoning"
+            if source.get("reasoning_dropped"):
+                reasoning += f" ({source['reasoning_dropped']} removed: data.enable_thinking false)"
+        split = f", {source['split_rows']} rows split per turn" if source.get("split_rows") else ""
         lines.append(
             f"data {source['label']}:{share} {source['examples']:,} examples, {source['skipped']} rows skipped, "
             f"{source['truncated_away']} dropped (responses past max_seq_len {max_seq_len}), "
-            f"{source['untrained_turns']} assistant turns left out of the loss"
+            f"{source['untrained_turns']} assistant turns left out of the loss{split}{reasoning}"
+            + (f"; template {info['template']}" if info.get("template") else "")
         )
     if "eval_examples" in info:
         lines.append(

@@ -478,6 +478,20 @@ def token_rates(real_per_s: float | None, processed_per_s: float | None) -> dict
     }
 
 
+def global_batch_fields(spec, settings: Settings, ranks: Ranks) -> dict[str, Any]:
+    """The start event's global batch: rows per optimizer step, and whether the spec fixes it."""
+    rows = settings.micro_batch_size * settings.gradient_accumulation_steps * ranks.world_size
+    fixed = spec.train.global_batch_size is not None or spec.train.global_batch_tokens is not None
+    return {"global_batch_size": rows, "global_batch_fixed": fixed}
+
+
+def global_batch_note(spec, settings: Settings, ranks: Ranks) -> str:
+    """The global batch as the log says it: fixed by the spec, or what this hardware made it."""
+    fields = global_batch_fields(spec, settings, ranks)
+    how = "fixed by train.global_batch_size/_tokens" if fields["global_batch_fixed"] else "depends on the hardware"
+    return f"global batch {fields['global_batch_size']} rows ({how})"
+
+
 def model_config(loaded: LoadedJob):
     """The architecture: ``model.config`` (random init with ``model_type``) or the named model's, overridden."""
     model_spec = loaded.spec.model
@@ -608,7 +622,8 @@ def train(
             f"dzctl-train: {ranks.world_size} ranks, micro-batch {settings.micro_batch_size}, "
             f"accumulation {settings.gradient_accumulation_steps}, {settings.precision}, "
             f"gradient checkpointing {settings.gradient_checkpointing}, DeepSpeed config {settings.ds_config_source}, "
-            f"resume from {resume.path if resume else 'nothing (fresh start)'}",
+            f"resume from {resume.path if resume else 'nothing (fresh start)'}; "
+            f"{global_batch_note(spec, settings, ranks)}",
             flush=True,
         )
     # Tokenizer, architecture and data first: a bad row or vocabulary fails in
@@ -670,7 +685,7 @@ def train(
         save=save,
         lineage=lineage,
         keep=spec.train.save_total_limit,
-        start_extra={"packing": packed, "attention": used},
+        start_extra={"packing": packed, "attention": used, **global_batch_fields(spec, settings, ranks)},
         eval_runner=runner,
         checkpointed_layers=settings.checkpointed_layers if settings.gradient_checkpointing else None,
     )

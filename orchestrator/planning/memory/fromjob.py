@@ -16,6 +16,7 @@ from ..inputs import JobInputs
 from ..speed.communication import Links
 from ..speed.steptime import GpuKind
 from ..speed.zerochoice import choose_zero
+from . import globalbatch
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
@@ -63,6 +64,26 @@ def allowed_from(inputs: JobInputs) -> Allowed:
         offload=offload,
         nvme=spec.zero.nvme_path is not None,
     )
+
+
+def _no_batch_in_user_config(inputs: JobInputs, batch: globalbatch.GlobalBatch) -> None:
+    fixed = merge(inputs.user_ds_config or {}, inputs.spec.zero.overrides)
+    for key in ("train_batch_size", "gradient_accumulation_steps"):
+        if isinstance(fixed.get(key), int) and not isinstance(fixed.get(key), bool):
+            raise globalbatch.GlobalBatchImpossible(
+                f"{batch.key} and the DeepSpeed config's {key} {fixed[key]} both fix the batch",
+                fix=f'set {key} to "auto" in zero.config/zero.overrides, or drop {batch.key}',
+            )
+
+
+def check_global_batch(inputs: JobInputs, slots_per_node: Sequence[int]) -> None:
+    """Refuse a global batch that cannot split on these ranks at all: the launch calls it before preflight."""
+    batch = globalbatch.global_batch(inputs.spec)
+    if batch is not None:
+        _no_batch_in_user_config(inputs, batch)
+        globalbatch.constrain(
+            allowed_from(inputs), batch, sum(slots_per_node), globalbatch.fixed_accumulation(inputs.spec)
+        )
 
 
 def nvme_bytes_per_node(inputs: JobInputs, ranks_per_node: int, world_size: int) -> int:
@@ -152,6 +173,12 @@ def plan_for_job(
     lora = LoraShape.from_spec(spec.train.lora)
     allowed = allowed_from(inputs)
     precision = precision_for(inputs, bf16_supported=bf16_supported)
+    batch = globalbatch.global_batch(spec)
+    accumulation = globalbatch.fixed_accumulation(spec)
+    free = allowed
+    if batch is not None:
+        _no_batch_in_user_config(inputs, batch)
+        allowed = globalbatch.constrain(allowed, batch, hardware.world_size, accumulation)
 
     def planned(as_lora: bool, allowed: Allowed = allowed, hardware: Hardware = hardware) -> MemoryPlan:
         return plan_memory(
@@ -169,6 +196,17 @@ def plan_for_job(
         )
 
     plan = planned(spec.train.method == "lora")
+    if batch is not None:
+        if plan.fits:
+            steps = globalbatch.accumulation_for(batch, plan.choice.micro_batch_size, plan.world_size)
+            plan = replace(plan, gradient_accumulation_steps=steps, global_batch_key=batch.key)
+            spec = spec.model_copy(
+                update={"train": spec.train.model_copy(update={"gradient_accumulation_steps": steps})}
+            )
+        else:
+            unconstrained = planned(spec.train.method == "lora", free)
+            largest = unconstrained.choice.micro_batch_size if unconstrained.fits else None
+            globalbatch.refuse_unfit(batch, hardware.world_size, accumulation, largest)
     if not plan.fits and spec.train.method == "full":
         alternative = planned(True)
         if alternative.fits:
@@ -191,5 +229,13 @@ def plan_for_job(
             lora=lora_shape,
             micro_auto=allowed.micro_batch_size is None,
         )
+        if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
+            spec = spec.model_copy(
+                update={
+                    "train": spec.train.model_copy(
+                        update={"gradient_accumulation_steps": plan.gradient_accumulation_steps}
+                    )
+                }
+            )
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config

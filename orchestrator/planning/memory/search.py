@@ -107,6 +107,8 @@ class MemoryPlan:
     hpz_partition_size: int = 1  # ZeRO++ hpZ chosen by planning/speed/zerochoice.py (1: off)
     # The predicted step time and the ZeRO choices' reasons (planning/speed/zerochoice.py's SpeedPlan), if made.
     speed: Any = None
+    # The spec key that fixed the global batch (globalbatch.py); None: micro × accumulation × world, as it falls.
+    global_batch_key: str | None = None
 
     @property
     def nvme_step_s(self) -> float | None:
@@ -173,6 +175,9 @@ class MemoryPlan:
             "decoder_layers": self.estimate.num_layers,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "train_batch_size": self.train_batch_size,
+            # train_batch_size × seq_len; fixed by train.global_batch_size/_tokens, else it depends on the hardware
+            "global_batch_tokens": self.train_batch_size * self.seq_len,
+            "global_batch_fixed_by": self.global_batch_key,
             "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
             "offload": self.choice.offload,  # none | optimizer | all (host RAM) | nvme
             "method": self.estimate.method,
@@ -275,6 +280,8 @@ class Allowed:
     gradient_checkpointing: bool | int | None = None
     offload: Offload | None = None
     nvme: bool = False  # the job names zero.nvme_path: auto may offload there, last
+    # The micro-batches auto may try (ascending; None: 1..MAX_AUTO_MICRO_BATCH): a fixed global batch's divisors.
+    micro_candidates: tuple[int, ...] | None = None
 
     def offloads(self, accelerator: str, nvme_usable: bool = False) -> tuple[Offload, ...]:
         if self.offload is not None:
@@ -295,7 +302,9 @@ class Allowed:
         return (min(ckpt, num_layers),)
 
     def micro_batches(self) -> tuple[int, ...]:
-        return (self.micro_batch_size,) if self.micro_batch_size is not None else AUTO_MICRO_BATCHES
+        if self.micro_batch_size is not None:
+            return (self.micro_batch_size,)
+        return self.micro_candidates if self.micro_candidates is not None else AUTO_MICRO_BATCHES
 
     def least_choices(self, offload: Offload, num_layers: int) -> list[Choice]:
         """The least demanding allowed choice (smallest micro-batch, most layers checkpointed): if it does not fit,

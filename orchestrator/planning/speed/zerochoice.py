@@ -164,7 +164,7 @@ def choose_zero(
     planned_micro = plan.choice.micro_batch_size
     # With micro-batch auto, a setting that needs memory (hpZ, larger buckets) may take a smaller
     # micro-batch: the largest that still fits is tried, and compared per token.
-    micro_options = range(planned_micro, 0, -1) if micro_auto else (planned_micro,)
+    micro_options = _micro_options(plan, micro_auto)
     plain = run(1 if user_hpz is None else user_hpz, _buckets(default, 1, user_reduce, user_prefetch), planned_micro)
     best: tuple[float, int, Buckets, StepTime, MemoryPlan] | None = None
     hpz_fits = False
@@ -279,13 +279,29 @@ def _with_settings(
     )
     if not fits_hardware(est, plan.hardware, plan.accelerator)[0]:
         return None
+    accumulation = plan.gradient_accumulation_steps
+    if plan.global_batch_key is not None:  # the spec fixed the global batch: accumulation makes up for the micro-batch
+        accumulation = plan.train_batch_size // (micro * plan.world_size)
     return replace(
         plan,
         estimate=est,
+        gradient_accumulation_steps=accumulation,
         buckets=buckets,
         hpz_partition_size=hpz,
         host_per_node=host_per_node(est, plan.hardware, plan.accelerator),
     )
+
+
+def _micro_options(plan: MemoryPlan, micro_auto: bool) -> tuple[int, ...]:
+    """The micro-batches a ZeRO setting may take, the plan's own first. With a global batch the spec fixed
+    (``train.global_batch_size``/``_tokens``), only those that split it exactly on these ranks."""
+    planned = plan.choice.micro_batch_size
+    if not micro_auto:
+        return (planned,)
+    if plan.global_batch_key is None:
+        return tuple(range(planned, 0, -1))
+    per_rank = plan.train_batch_size // plan.world_size
+    return tuple(m for m in range(planned, 0, -1) if per_rank % m == 0)
 
 
 def _largest_fitting_micro(
@@ -296,7 +312,10 @@ def _largest_fitting_micro(
         return plan.choice.micro_batch_size
     wanted = min(MAX_AUTO_MICRO_BATCH, -(-break_even_tokens(step) // plan.seq_len))
     largest = plan.choice.micro_batch_size
+    per_rank = plan.train_batch_size // plan.world_size
     for micro in range(largest + 1, wanted + 1):
+        if plan.global_batch_key is not None and per_rank % micro:
+            continue  # does not split the global batch the spec fixed
         if _with_settings(plan, shape, hpz, buckets, lora, micro, every_layer=True) is None:
             break
         largest = micro

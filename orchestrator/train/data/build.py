@@ -5,8 +5,8 @@ in chunks of ``CHUNK``, encoded by a pool of worker processes (one per core: the
 other ranks are waiting meanwhile), and each encoded chunk is appended to the files at
 once. What stays in memory grows with the number of examples, not tokens: a length (4
 bytes) and a source index (2 bytes) per example, plus the packer's lists at the end
-(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding is today's
-``conversations.encode`` with the tokenizer called once per chunk (``encode_batch``), so the
+(about 200 bytes an example: ~0.2 GB at 1 M examples). The encoding is
+``chat.encode_rows`` with the tokenizer called once per chunk (``encode_batch``), so the
 tokens and labels are exactly those of the in-memory path (tests/test_data_cache.py holds
 them to it); so is the packing (``packing.pack`` on the same lengths and seed).
 
@@ -39,10 +39,12 @@ from typing import Any
 
 import numpy as np
 
+from ...planning.chattemplate import AUTO, ChatTemplate
 from ...planning.datafiles import Malformed
-from ...planning.datarows import DataError, to_messages
+from ...planning.datarows import DataError, to_turns
 from . import holdout, packing, sources
-from .conversations import IGNORE, Conversation, renderer
+from .chat import IGNORE, ChatRenderer, TurnStats, encode_rows, make_renderer
+from .conversations import Conversation
 from .mix import mix_counts
 
 CHUNK = 256  # conversations per task handed to a worker
@@ -62,6 +64,8 @@ class BuildSettings:
     on_error: str  # fail | skip
     window: int = packing.DEFAULT_WINDOW
     eval_split: float | int | None = None  # data.eval_split: rows held out of training (holdout.py)
+    template: ChatTemplate | None = None  # data.template resolved (None: auto)
+    enable_thinking: object = AUTO  # data.enable_thinking
 
 
 @dataclass
@@ -74,6 +78,9 @@ class SourceStats:
     skipped: int = 0
     truncated_away: int = 0
     untrained_turns: int = 0
+    split_rows: int = 0  # rows made into several examples (a template that re-renders history)
+    reasoning_turns: int = 0
+    reasoning_dropped: int = 0  # data.enable_thinking: false
     tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,80 +107,41 @@ _WORKER: dict[str, Any] = {}
 
 
 def encode_batch(
-    conversations: list[Conversation], tokenizer: Any, max_len: int
-) -> list[tuple[list[int], list[int], int]]:
-    """``conversations.encode`` of each conversation, with one tokenizer call for the whole batch.
-
-    The same renderings, spans and pieces as ``encode`` (so the same ids and labels: each piece
-    is tokenized on its own either way), minus its per-call overhead: the pieces of every
-    conversation go to the tokenizer's batch encoder at once, and the last assistant turn's
-    rendering is the full one (rendering the whole conversation twice gave the same text).
-    """
-    render = renderer(tokenizer)
-    pieces: list[str] = []
-    plans: list[tuple[list[tuple[int, bool]], int]] = []
-    for conversation in conversations:
-        messages = [{"role": role, "content": content} for role, content in conversation.messages]
-        full = render(messages, False)
-        spans: list[tuple[int, int]] = []
-        untrained = 0
-        last = len(messages) - 1
-        for index, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prefix = render(messages[:index], True)
-            upto = full if index == last else render(messages[: index + 1], False)
-            if upto.startswith(prefix) and full.startswith(upto) and len(upto) > len(prefix):
-                spans.append((len(prefix), len(upto)))
-            else:
-                untrained += 1
-        segments: list[tuple[int, bool]] = []
-        cursor = 0
-        for start, end in spans:
-            for piece, trained in ((full[cursor:start], False), (full[start:end], True)):
-                if piece:
-                    segments.append((len(pieces), trained))
-                    pieces.append(piece)
-            cursor = end
-        if full[cursor:]:
-            segments.append((len(pieces), False))
-            pieces.append(full[cursor:])
-        plans.append((segments, untrained))
-    encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"] if pieces else []
-    out = []
-    for segments, untrained in plans:
-        ids: list[int] = []
-        labels: list[int] = []
-        for index, trained in segments:
-            piece_ids = encoded[index]
-            ids.extend(piece_ids)
-            labels.extend(piece_ids if trained else [IGNORE] * len(piece_ids))
-        out.append((ids[:max_len], labels[:max_len], untrained))
-    return out
+    conversations: list[Conversation], tokenizer: Any, max_len: int, renderer: ChatRenderer, stats: TurnStats
+) -> list[list[tuple[list[int], list[int]]]]:
+    """Each conversation's examples, as ``conversations.encode_all`` makes them (one tokenizer call for all)."""
+    turns = [(c.messages, c.reasoning) for c in conversations]
+    rows = encode_rows(turns, tokenizer, renderer, max_len, stats, [c.where for c in conversations])
+    return [row.examples for row in rows]
 
 
-def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, TurnStats, np.ndarray]:
     tokenizer, max_len, dtype, bit = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER["dtype"], _WORKER["bit"]
     key_seed = _WORKER.get("key_seed")  # data.eval_split: each kept example's row key (holdout.py)
     pieces: list[np.ndarray] = []
     lengths: list[int] = []
     keys: list[int] = []
-    truncated = untrained = 0
-    for conversation, (ids, labels, skipped_turns) in zip(
-        conversations, encode_batch(conversations, tokenizer, max_len), strict=True
+    truncated = 0
+    stats = TurnStats()
+    renderer = _WORKER["renderer"]
+    for conversation, examples in zip(
+        conversations, encode_batch(conversations, tokenizer, max_len, renderer, stats), strict=True
     ):
-        untrained += skipped_turns
-        values = np.asarray(ids, dtype=np.int64)
-        trained = np.asarray(labels, dtype=np.int64) != IGNORE
-        if not trained.any():
-            truncated += 1
-            continue
-        pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
-        lengths.append(len(ids))
-        if key_seed is not None:
-            keys.append(holdout.row_key(conversation.messages, key_seed))
+        # Every example of a row (one per turn where the template re-renders history) has the row's key,
+        # so a held-out row is held out whole.
+        key = holdout.row_key(conversation.messages, key_seed) if key_seed is not None else None
+        for ids, labels in examples:
+            values = np.asarray(ids, dtype=np.int64)
+            trained = np.asarray(labels, dtype=np.int64) != IGNORE
+            if not trained.any():
+                truncated += 1
+                continue
+            pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
+            lengths.append(len(ids))
+            if key is not None:
+                keys.append(key)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), truncated, untrained, np.asarray(keys, dtype=np.uint64)
+    return tokens, np.asarray(lengths, dtype=np.int64), truncated, stats, np.asarray(keys, dtype=np.uint64)
 
 
 def _quiet_tokenizer() -> None:
@@ -220,7 +188,10 @@ def build(
         take = list(mix_counts(available, [s.spec.weight for s in found]))
     workers = worker_count() if workers is None else workers
     key_seed = settings.seed if settings.eval_split is not None else None
-    _WORKER.update(tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit, key_seed=key_seed)
+    chat = make_renderer(tokenizer, settings.template, settings.enable_thinking)
+    _WORKER.update(
+        tokenizer=tokenizer, max_len=settings.max_seq_len, dtype=dtype, bit=bit, key_seed=key_seed, renderer=chat
+    )
     # fork: the workers inherit the tokenizer as it is (no pickling, no re-import of transformers).
     # gc.freeze: the workers' collector then never walks (and so never copies) the objects they share
     # with this rank through fork (torch, transformers, the tokenizer): their pages stay shared.
@@ -241,7 +212,7 @@ def build(
             def drain(limit: int) -> None:
                 while len(pending) > limit:
                     index, result = pending.popleft()
-                    tokens, chunk_lengths, truncated, untrained, chunk_keys = result.get()
+                    tokens, chunk_lengths, truncated, turns, chunk_keys = result.get()
                     tokens.tofile(tokens_out)
                     keys.extend(chunk_keys.tolist())
                     lengths.extend(chunk_lengths.tolist())
@@ -250,7 +221,10 @@ def build(
                     stat.examples += len(chunk_lengths)
                     stat.tokens += int(chunk_lengths.sum())
                     stat.truncated_away += truncated
-                    stat.untrained_turns += untrained
+                    stat.untrained_turns += turns.untrained_turns
+                    stat.split_rows += turns.split_rows
+                    stat.reasoning_turns += turns.reasoning_turns
+                    stat.reasoning_dropped += turns.reasoning_dropped
 
             def submit(index: int, chunk: list[Conversation]) -> None:
                 if pool is None:
@@ -270,7 +244,7 @@ def build(
                     try:
                         if isinstance(row, Malformed):
                             raise DataError(f"{where}: {row.reason}")
-                        messages = to_messages(row, source.spec.format or "alpaca", where, source.spec.columns)
+                        messages, reasoning = to_turns(row, source.spec.format or "alpaca", where, source.spec.columns)
                     except DataError as exc:
                         if settings.on_error == "fail":
                             raise DataError(exc.message, fix=exc.fix or BAD_ROW_FIX) from None
@@ -278,7 +252,7 @@ def build(
                         if len(skipped_lines) < 20:
                             skipped_lines.append(str(exc))
                         continue
-                    chunk.append(Conversation(messages, where))
+                    chunk.append(Conversation(messages, where, reasoning))
                     if len(chunk) >= CHUNK:
                         submit(source.index, chunk)
                         chunk = []
@@ -309,6 +283,7 @@ def build(
         "sources": [s.as_dict() for s in stats],
         "build_s": round(time.monotonic() - started, 2),
         "workers": workers,
+        "template": chat.description,
     }
     all_lengths = np.frombuffer(lengths, dtype=np.int64)
     trained = np.arange(len(lengths))

@@ -45,7 +45,9 @@ from typing import Any
 
 import xxhash
 
-CACHE_LAYOUT = 1  # bump when the files' layout changes: old caches then miss the key
+# Bump when the files' layout or the encoding changes: old caches then miss the key.
+# 2: labels aligned by tokens, one example per re-rendered assistant turn (train/data/chat.py).
+CACHE_LAYOUT = 2
 MANIFEST = "manifest.json"
 LAST_USED = "last_used"
 KEEP = 3

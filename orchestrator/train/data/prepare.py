@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import DzError, RuntimeFailure
+from ...planning.chattemplate import node_chat_template
 from ...planning.datarows import DataError
 from ...spec.job import LoadedJob
 from . import cache, sources
@@ -76,6 +77,9 @@ def key_material(found: list[sources.Source], tokenizer: Any, settings: BuildSet
         "window": settings.window if settings.packing else None,
         "seed": settings.seed if settings.packing else None,  # only packing's shuffle uses it
         "on_error": settings.on_error,
+        # data.template and data.enable_thinking decide every label (the tokenizer's own template is above).
+        "template": [settings.template.name, settings.template.digest] if settings.template else None,
+        "enable_thinking": settings.enable_thinking,
     }
     if settings.eval_split is not None:
         # Only when set: the key of every cache built without it stays as it was.
@@ -97,7 +101,15 @@ def prepare(
     """The node's cache of ``source_set``: the training data (``train``) or ``data.eval``'s own (``eval``)."""
     spec = loaded.spec
     split = spec.data.eval_split if source_set == "train" else None
-    settings = BuildSettings(spec.train.max_seq_len, packing, spec.train.seed, spec.data.on_error, eval_split=split)
+    settings = BuildSettings(
+        spec.train.max_seq_len,
+        packing,
+        spec.train.seed,
+        spec.data.on_error,
+        eval_split=split,
+        template=node_chat_template(loaded),
+        enable_thinking=spec.data.enable_thinking,
+    )
     cache_dir.mkdir(parents=True, exist_ok=True)
     token = cache.launch_token()
     note = cache.RunNote(cache_dir, token if source_set == "train" else f"{token}-{source_set}")

@@ -8,20 +8,14 @@ models exercise the same chat-template path as real ones.
 
 from __future__ import annotations
 
+from ...planning.chattemplate import CHATML_TEMPLATE
+
 BUILTIN_BYTE_LEVEL = "builtin:byte-level"
 PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIALS = (PAD, IM_START, IM_END)
 BYTE_LEVEL_VOCAB = 256 + len(SPECIALS)
-
-# ChatML, as Qwen's templates render it, without tools or thinking blocks.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 def _byte_to_char() -> dict[int, str]:

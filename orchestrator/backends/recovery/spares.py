@@ -50,7 +50,7 @@ def spare_candidates(
     """The spares in the order they are tried: the spec's list, then the hostfile's unused lines."""
     found: list[Spare] = []
     for index, line in enumerate(spare_lines):
-        source = f"{where}[{index}]"
+        source = f"restart.spare_hosts[{index}] ({where})"
         has_slots = "slots=" in line
         entry = parse_hostfile(line if has_slots else f"{line.strip()} slots=1", source)[0]
         found.append(Spare(entry.host, entry.slots if has_slots else None, source))

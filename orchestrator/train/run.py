@@ -43,6 +43,7 @@ from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
 from .model import attention, checkpointing, lora, loss
 from .progress import ProgressLog, finite
+from .savetimer import save_callbacks
 
 CONSOLIDATED = "model"
 
@@ -675,7 +676,7 @@ def train(
         train_dataset=dataset,
         data_collator=PackedCollator() if packed else Collator(tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=[callback],
+        callbacks=[callback, *save_callbacks(spec.train.save_minutes, save)],
     )
     callback.trainer = trainer
     trainer.lineage, trainer.marks_folders = lineage, ranks.marks_folders

@@ -72,7 +72,7 @@ def test_progress_from_the_last_step_and_the_error_reason():
     progress, age, errors = parse_progress(text, now=121.0)
     assert progress == {
         "step": 5, "max_steps": 30, "loss": 2.5, "tokens_per_s": 900.0, "padding_efficiency": None, "eta_s": 50,
-        "event": "step", "grad_norm": None, "eval": None, "stopped_early": False,
+        "step_time_s": None, "event": "step", "grad_norm": None, "eval": None, "stopped_early": False,
     }  # fmt: skip
     assert age == 10.0
     assert errors == [{"rank": None, "reason": "CUDA out of memory"}]
@@ -86,6 +86,7 @@ def test_progress_from_the_last_step_and_the_error_reason():
             "tokens_per_s": None,
             "padding_efficiency": None,
             "eta_s": None,
+            "step_time_s": None,
             "event": "start",
             "grad_norm": None,
             "eval": None,

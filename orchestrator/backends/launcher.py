@@ -30,6 +30,7 @@ from ..planning.memory.fromjob import check_global_batch, nvme_reading, plan_for
 from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.resolve import ResolvedJob, resolve_job
+from ..planning.speed.spacing import work_lost_per_fault
 from ..spec.hostfile import Node
 from ..spec.job import LoadedJob
 from ..transport.openssh import client_from_env
@@ -122,7 +123,13 @@ class DryRun:
 
     def to_dict(self) -> dict:
         # The launch plan's keys stay on top (DESIGN §2); the memory plan is `dzctl plan --json`'s object.
-        return {**self.plan.to_dict(), "memory": self.memory.to_dict(self.ds_config)}
+        return {**self.plan.to_dict(), "memory": self.memory.to_dict(self.ds_config),
+                "checkpoint_spacing": self.checkpoint_spacing()}  # fmt: skip
+
+    def checkpoint_spacing(self) -> dict:
+        """The work a fault loses: before the run, the step time is unknown (NVMe's disk floor aside)."""
+        train = self.inputs.spec.train
+        return work_lost_per_fault(train.save_steps, train.save_minutes, self.memory.nvme_step_s)
 
 
 def dry_run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import click
 
+from ..backends.recovery.record import ENDED as SUPERVISION_ENDED
+from ..backends.recovery.record import SupervisionStore
+from ..backends.recovery.supervisor import end_supervisor
 from ..backends.slurm import backend as slurm_backend
 from ..backends.slurm.backend import is_slurm
 from ..errors import DzError, RuntimeFailure
@@ -16,6 +20,8 @@ from ..observe.hosts import fetch_outputs, gather_status, progress_history, stop
 from ..observe.status import JobStatus
 from ..observe.store import FINAL_STATES, JobRecord, JobStore
 from ..observe.watchstate import block_chart
+from ..planning.speed.spacing import describe as describe_spacing
+from ..planning.speed.spacing import work_lost_per_fault
 from ..preflight.collective_result import describe_collective
 from ..transport.pool import HostPool
 from .follow import follow_job, output_mode
@@ -31,7 +37,17 @@ def _refresh(record: JobRecord, store: JobStore, pool: HostPool) -> JobStatus:
     status = gather_status(record, pool)
     if status.state != record.state and (status.state in FINAL_STATES or record.state == "starting"):
         store.set_state(record.job_id, status.state)
-    return status
+    return _with_restarts(status, record)
+
+
+def _with_restarts(status: JobStatus, record: JobRecord) -> JobStatus:
+    """A supervised job's status carries its restarts (the record of every attempt shows them all)."""
+    with SupervisionStore() as supervision:
+        found = supervision.of_job(record.job_id, record.name)
+    if found is None:
+        return status
+    restart = record.spec.get("restart") or {}
+    return dataclasses.replace(status, restarts=found.summary(restart.get("max")))
 
 
 @click.command("status")
@@ -75,6 +91,8 @@ def status_command(job_ref, ssh_config, trust_new_hosts, as_json, watch, interva
                     click.echo(json.dumps(status_dict(status, record)))
                 else:
                     click.echo(render_status(status, ranks_by_node(record.plan["nodes"])))
+                    if status.state == "running" and status.progress:
+                        click.echo(describe_spacing(checkpoint_spacing(status, record)))
                     for tracker, folder in tracker_locations(record).items():
                         fetch = f"dzctl logs {record.job_id} --fetch DIR"
                         click.echo(f"{tracker}: {record.hosts[0]}:{folder}  (copy it here: {fetch})")
@@ -147,6 +165,7 @@ def _fmt_s(seconds: float | None) -> str:
 def status_dict(status: JobStatus, record: JobRecord) -> dict:
     """``status --json``: DESIGN's keys, and each node's global ``ranks`` beside its ``node_rank``."""
     out = status.to_dict()
+    out["checkpoint_spacing"] = checkpoint_spacing(status, record)
     ranks = ranks_by_node(record.plan["nodes"])
     for node in out["nodes"]:
         node["ranks"] = list(ranks.get(node["node_rank"], ()))
@@ -169,6 +188,13 @@ def eval_lines(progress: dict) -> list[str]:
     if progress.get("stopped_early"):
         lines.append(f"stopped early at step {progress.get('step')} (train.early_stopping)")
     return lines
+
+
+def checkpoint_spacing(status: JobStatus, record: JobRecord) -> dict:
+    """The work a fault loses now: the record's save interval at the step time rank 0 last measured."""
+    train = record.spec.get("train", {})
+    step_time = (status.progress or {}).get("step_time_s")
+    return work_lost_per_fault(train.get("save_steps", 500), train.get("save_minutes"), step_time)
 
 
 def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> str:
@@ -205,7 +231,25 @@ def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> s
     collective = (status.preflight or {}).get("collective")
     if collective:
         lines.append(describe_collective(collective))
+    lines += restart_lines(status.restarts)
     return "\n".join(lines)
+
+
+def restart_lines(restarts: dict | None) -> list[str]:
+    """``restarts N of MAX (supervisor STATE)``, then one line per restart: its cause and the nodes replaced."""
+    if not restarts:
+        return []
+    limit = "" if restarts.get("max") is None else f" of {restarts['max']}"
+    lines = [f"restarts {restarts['count']}{limit} (supervisor {restarts['supervisor']}, pid {restarts['pid']})"]
+    for item in restarts["history"]:
+        replaced = "".join(f"; node {r['node_rank']} {r['host']} replaced by {r['spare']}" for r in item["replaced"])
+        lines.append(
+            f"  restart {item['number']}: {item['cause']}: {item['why']}; {item['from_job_id']} -> {item['job_id']}"
+            f" in {item['seconds_to_running']:g} s{replaced}"
+        )
+    if restarts.get("final") and restarts["supervisor"] in SUPERVISION_ENDED:
+        lines.append(f"  supervisor ended: {restarts['final']}")
+    return lines
 
 
 @click.command("logs")
@@ -258,6 +302,11 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
     """Stop every node of a job at once and remove its containers."""
     with JobStore() as store:
         record = store.get(job_ref)
+        supervisor = None
+        if not is_slurm(record):
+            record, supervisor = _stop_supervisor(record, store)
+            if supervisor is not None:
+                click.echo(f"supervisor: {supervisor}", err=True)
         if is_slurm(record):
             # scancel; the outcome per node as the SSH fleet reports it.
             outcomes = {h: o if o == "stopped" else DzError(o) for h, o in slurm_backend.stop(record).items()}
@@ -266,7 +315,7 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
                 status = _refresh(record, store, pool)
                 ended = _nothing_to_stop(status)
                 if len(ended) == len(status.nodes):
-                    _say_already_ended(record, status, ended, as_json)
+                    _say_already_ended(record, status, ended, as_json, supervisor)
                     return
                 live = [n.node_rank for n in status.nodes if n.host not in ended]
                 outcomes = {**stop_nodes(record, pool, remove=True, ranks=live), **ended}
@@ -278,6 +327,8 @@ def stop_command(job_ref, ssh_config, trust_new_hosts, as_json):
             "job_id": record.job_id,
             "hosts": {h: (o if isinstance(o, str) else f"error: {o.message}") for h, o in outcomes.items()},
         }
+        if supervisor is not None:
+            result["supervisor"] = supervisor
         click.echo(json.dumps(result) if as_json else "\n".join(f"{h}: {s}" for h, s in result["hosts"].items()))
         if failed:
             raise RuntimeFailure(
@@ -300,10 +351,33 @@ def _nothing_to_stop(status: JobStatus) -> dict[str, str]:
     return ended
 
 
-def _say_already_ended(record: JobRecord, status: JobStatus, ended: dict[str, str], as_json: bool) -> None:
+def _stop_supervisor(record: JobRecord, store: JobStore) -> tuple[JobRecord, str | None]:
+    """A supervised job: end its supervisor first (nothing restarts after a stop), then stop its newest attempt.
+
+    The record is marked stopped before the signal, so a supervisor between two checks (its backoff,
+    a preflight) never starts the next attempt; one in the middle of a start finishes it, stops what
+    it started and ends, and only then are the nodes asked here.
+    """
+    with SupervisionStore() as supervision:
+        found = supervision.of_job(record.job_id, record.name)
+        if found is None:
+            return record, None
+        if found.state in SUPERVISION_ENDED and found.state != "stopped":
+            return store.get(found.current_job_id), None
+        supervision.stop(found.lineage, "dzctl stop")
+        outcome = end_supervisor(found.pid, found.lineage)
+        return store.get(supervision.get(found.lineage).current_job_id), outcome
+
+
+def _say_already_ended(
+    record: JobRecord, status: JobStatus, ended: dict[str, str], as_json: bool, supervisor: str | None = None
+) -> None:
     """Every rank had exited before `stop`: nothing was stopped or removed, and that is no error."""
     if as_json:
-        click.echo(json.dumps({"job": record.name, "job_id": record.job_id, "state": status.state, "hosts": ended}))
+        shown = {"job": record.name, "job_id": record.job_id, "state": status.state, "hosts": ended}
+        if supervisor is not None:
+            shown["supervisor"] = supervisor
+        click.echo(json.dumps(shown))
     else:
         click.echo(f"job {record.job_id} had already ended ({status.state}): nothing to stop")
 

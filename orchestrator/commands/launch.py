@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
 
 from ..backends import launcher
 from ..backends.fleet import SshFleet
-from ..errors import RuntimeFailure
+from ..backends.recovery import supervisor as recovery
+from ..errors import RuntimeFailure, SpecError
 from ..observe.rankfailure import failure_lines
 from ..observe.store import JobStore
 from ..planning.launchplan import LaunchPlan, shell_line
+from ..planning.speed.spacing import describe as describe_spacing
 from ..preflight.render import print_report
 from ..transport.pool import HostPool
 from .busy import busy
@@ -95,6 +98,7 @@ def launch_command(
     if slurm and hostfile is not None:
         raise click.UsageError("--slurm and --hosts: Slurm picks the nodes; give one or the other")
     if on_slurm:
+        refuse_recovery_on_slurm(job)
         request = launcher.slurm_request(
             job, partition=partition, nodes=nodes_wanted, gpus_per_node=gpus_per_node, time=time_limit,
             account=account,
@@ -117,12 +121,19 @@ def launch_command(
         ssh_config=ssh_config,
     )
     progress = ConsoleProgress(as_json)
+    if recovery.supervised(job.spec):
+        check_webhook(job)  # a ${NAME} the env file lacks: exit 2 before any host is touched
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
         prepared = launcher.prepare(job, nodes, pool, options, progress)
         plan, phases = prepared.plan, prepared.phases
         with JobStore() as store:
             launcher.execute(prepared, SshFleet(pool, store), progress)
             log.debug("launch phases: %s", phases.seconds)
+            if recovery.supervised(job.spec):
+                launch_args = supervisor_args(job, hostfile, include, exclude, num_nodes, num_gpus, ssh_config,
+                                              trust_new_hosts, skip_collective, collective_timeout)  # fmt: skip
+                pid = recovery.start_supervisor(plan.job_id, plan.job, launch_args)
+                progress.note(f"supervisor: pid {pid}, log {recovery.log_file(plan.job_id)}")
             if follow is None:
                 follow = sys.stdout.isatty() and not as_json
             if not follow:
@@ -134,10 +145,76 @@ def launch_command(
             # a script asking for JSON wants every line, each prefixed with its rank and host.
             mode = "raw" if as_json else output_mode(raw)
             status = follow_job(store.get(plan.job_id), pool, store, quiet=as_json, mode=mode, report_failure=False)
+            if recovery.supervised(job.spec):
+                status = follow_restarts(plan.job_id, status, store, progress, ssh_config, trust_new_hosts,
+                                         quiet=as_json, mode=mode)  # fmt: skip
     if as_json:
         click.echo(json.dumps(status.to_dict()))
     if status.state != "succeeded":
         raise job_failed(plan.job_id, status.state, status.first_failure, shown_above=mode == "live")
+
+
+def follow_restarts(lineage, status, store, progress, ssh_config, trust_new_hosts, *, quiet, mode):
+    """After a failed attempt, follow the supervisor's next one, until one succeeds or it gives up."""
+    import time
+
+    from ..backends.recovery.record import ENDED, SupervisionStore
+
+    following = status.job_id
+    with SupervisionStore() as supervision:
+        while status.state == "failed":
+            found = supervision.get(lineage)
+            if found.current_job_id != following:
+                record = store.get(found.current_job_id)
+                cause = found.restarts[-1]["why"] if found.restarts else "restarted"
+                progress.note(f"restarted as {record.job_id}: {cause}")
+                with HostPool(record.hosts, ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:
+                    status = follow_job(record, pool, store, quiet=quiet, mode=mode, report_failure=False)
+                following = record.job_id
+            elif found.state in ENDED:
+                if found.final:
+                    progress.note(f"supervisor: {found.final}")
+                return status
+            else:
+                time.sleep(1.0)
+    return status
+
+
+def refuse_recovery_on_slurm(job) -> None:
+    """Slurm jobs have no supervisor yet: a restart policy there would be silently ignored."""
+    for key in ("restart", "notify"):
+        if getattr(job.spec, key) is not None:
+            raise SpecError(
+                f"{job.where(key)}: {key}: is for jobs launched over SSH (--hosts); a Slurm job is not "
+                "supervised by dzctl yet",
+                fix=f"remove {key}: for --slurm; Slurm itself can requeue a failed job (sbatch --requeue)",
+            )
+
+
+def check_webhook(job) -> None:
+    if job.spec.notify is not None:
+        from ..backends.recovery.notify import webhook_url
+        from ..planning.inputs import job_secrets
+
+        webhook_url(job.spec.notify, job_secrets(job), job.where("notify.webhook"))
+
+
+def supervisor_args(job, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
+                    skip_collective, collective_timeout) -> dict:  # fmt: skip
+    """What each restart needs to run the launch again: absolute paths, the user's own --set items."""
+    return {
+        "job_file": str(Path(job.path).resolve()),
+        "overrides": list(job.overrides),
+        "hostfile": str(Path(hostfile).resolve()),
+        "include": include,
+        "exclude": exclude,
+        "num_nodes": num_nodes,
+        "num_gpus": num_gpus,
+        "ssh_config": str(Path(ssh_config).expanduser().resolve()) if ssh_config else None,
+        "trust_new_hosts": trust_new_hosts,
+        "skip_collective": skip_collective,
+        "collective_timeout": collective_timeout,
+    }
 
 
 def job_failed(job_id: str, state: str, failure: dict | None, *, shown_above: bool = False) -> RuntimeFailure:
@@ -200,7 +277,8 @@ def render_dry_run(checked: launcher.DryRun) -> str:
     """The launch plan, then the memory plan (as ``dzctl plan`` shows it) and the DeepSpeed config."""
     memory = render_memory(checked.memory, checked.inputs.shape, checked.inputs.spec)
     ds_config = json.dumps(checked.ds_config, indent=2)
-    return f"{render_plan(checked.plan)}\n\n{memory}\n\nds_config.json:\n{ds_config}"
+    spacing = describe_spacing(checked.checkpoint_spacing())
+    return f"{render_plan(checked.plan)}\n{spacing}\n\n{memory}\n\nds_config.json:\n{ds_config}"
 
 
 def render_plan(plan: LaunchPlan) -> str:

@@ -38,6 +38,8 @@ class JobStatus:
     first_failure: dict | None
     # What the launch's checks measured, from the record: {"collective": {...}} (busbw, transports).
     preflight: dict | None = None
+    # A supervised job (restart:/notify:): the supervisor's state, the restarts with cause and nodes replaced.
+    restarts: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,6 +185,7 @@ def parse_progress(
             "tokens_per_s": last_step.get("tokens_per_s"),  # real (non-pad) tokens, the whole job
             "padding_efficiency": last_step.get("padding_efficiency"),  # real / processed tokens
             "eta_s": last_step.get("eta_s"),
+            "step_time_s": last_step.get("step_time_s"),  # the last step's wall time (checkpoint spacing)
             "event": last_step.get("event"),
             "grad_norm": last_step.get("grad_norm"),
             "eval": eval_summary(last_eval),  # the last eval (None: none yet, or no eval data)

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from ..errors import SpecError
+from .recovery import NotifySpec, RestartSpec
 from .yamlsource import KeyPath, LineMap, load_yaml_with_lines
 
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
@@ -290,6 +291,8 @@ class TrainSpec(_Strict):
     # planner picks N with the micro-batch (planning/speed/recompute.py).
     gradient_checkpointing: Union[bool, Annotated[int, Field(ge=0)], Literal["auto"]] = "auto"  # noqa: UP007
     save_steps: int = Field(500, ge=1)
+    # Also save when this many minutes have passed since the last save (rank 0's clock decides for all).
+    save_minutes: float | None = Field(None, gt=0)
     # false: no checkpoints and no final weights (throughput runs through dzctl launch;
     # the trainer's --no-save). A 72B model's end-of-run save alone takes minutes and ~1 TB.
     save: bool = True
@@ -497,6 +500,8 @@ class JobSpec(_Strict):
     zero: ZeroSpec = Field(default_factory=ZeroSpec)
     launch: LaunchSpec = Field(default_factory=LaunchSpec)
     slurm: SlurmSpec | None = None  # launch through Slurm (sbatch) instead of over SSH to a hostfile
+    restart: RestartSpec | None = None  # unattended restarts after a fault (backends/recovery)
+    notify: NotifySpec | None = None  # a webhook told of failed / restarted / succeeded
 
 
 def parse_mount(mount: str) -> tuple[str, str, str]:

@@ -46,6 +46,7 @@ from .datasets import data_summary, load_dataset  # noqa: F401 (data_summary: th
 from .evaluation.runner import EvalRunner, forward_kwargs
 from .model import attention, checkpointing, lora, loss
 from .progress import ProgressLog, finite
+from .savetimer import save_callbacks
 
 CONSOLIDATED = "model"
 
@@ -695,7 +696,7 @@ def train(
         train_dataset=dataset,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[callback] if runner is None else [callback, runner],
+        callbacks=[callback, *save_callbacks(spec.train.save_minutes, save), *([runner] if runner else [])],
     )
     callback.trainer = trainer
     trainer.lineage, trainer.marks_folders, trainer.eval_runner = lineage, ranks.marks_folders, runner

@@ -363,4 +363,8 @@ def rejudge(path: Path) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rejudge"]:  # python3 benchmarks/liger_zero3_grads.py --rejudge FILE.json
         sys.exit(rejudge(Path(sys.argv[2])))
-    sys.exit(main(sys.argv[1:]))
+    from orchestrator.train.entry import exit_rank
+
+    # As the trainer's ranks do: no interpreter finalization, where gloo's threads can abort a rank that
+    # succeeded (SIGABRT, "terminate called without an active exception": seen once in CI here).
+    exit_rank(main(sys.argv[1:]))

@@ -173,8 +173,8 @@ def test_checkpointing_the_first_n_layers_keeps_the_loss_and_gradients_and_saves
 
 
 @pytest.mark.slow
-# 1 (the first of the 2 layers) stands for true too: the Trainer enables checkpointing, then all but one layer drop it.
-@pytest.mark.parametrize("enabled", [False, 1])
+# 1: the first of the 2 layers only (the Trainer enables checkpointing, then the other layer drops it).
+@pytest.mark.parametrize("enabled", [False, True, 1])
 def test_a_real_run_says_nothing_about_deprecated_checkpointing(tmp_path, enabled):
     name = f"ckpt-{uuid.uuid4().hex[:6]}"
     sets = [

@@ -57,4 +57,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from orchestrator.train.entry import exit_rank
+
+    exit_rank(main())  # not sys.exit: a gloo rank can abort at interpreter finalization (see exit_rank)

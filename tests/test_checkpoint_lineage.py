@@ -55,7 +55,7 @@ WATCH_SAVES = textwrap.dedent(
         return real_save(self, model, trial)
 
     Trainer._save_checkpoint = watched_save
-    sys.exit(entry.main(sys.argv[1:]))
+    entry.exit_rank(entry.main(sys.argv[1:]))  # as the trainer's ranks end: see exit_rank
     """
 )
 

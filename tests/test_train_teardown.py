@@ -13,6 +13,7 @@ cause on every rank, after a real ZeRO-3 run: the exit handlers run, and finaliz
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from test_train import train
@@ -60,3 +61,15 @@ def test_every_rank_runs_its_exit_handlers_and_skips_finalization(tmp_path, monk
     # Each rank made its witness file; none was written to, so no rank entered finalization.
     assert sorted(p.name for p in witnesses.iterdir()) == ["finalized-0", "finalized-1"]
     assert [p.read_text() for p in sorted(witnesses.iterdir())] == ["", ""]
+
+
+def test_every_script_that_runs_the_trainer_on_ranks_ends_them_with_exit_rank():
+    # A test or benchmark that wraps the trainer (a script torchrun starts, often written by the
+    # test itself) must end its ranks as the trainer's own entry point does; one that ended with
+    # sys.exit failed a CI run with the gloo abort above (test_checkpoint_lineage's watch_saves.py).
+    root = Path(__file__).resolve().parent.parent
+    sources = sorted([*(root / "tests").glob("*.py"), *(root / "benchmarks").glob("*.py")])
+    wrappers = [p for p in sources if "entry.main(" in p.read_text(encoding="utf-8")]
+    assert wrappers, "no script runs the trainer's entry.main: the check below would pass on nothing"
+    missing = [p.relative_to(root).as_posix() for p in wrappers if "exit_rank(" not in p.read_text(encoding="utf-8")]
+    assert missing == [], f"these run entry.main on ranks but do not end with entry.exit_rank: {missing}"

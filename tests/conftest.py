@@ -163,11 +163,13 @@ def cpu_image_tag(local_docker_url, base_image):
     return CPU_TAG
 
 
-# -- shared test hosts (issue 24): two pairs built once per run, reset after every test that used them ----
+# -- shared test hosts (issue 24): built once per run, reset after every test that used them ------------
 # Building a pair of docker hosts and loading the CPU image onto them took about 30-50 s each time a module
-# did it (test_e2e, test_collective_e2e and test_slurm each did). One pair per kind now serves every module,
+# did it (test_e2e, test_collective_e2e and test_slurm each did). One cluster per kind now serves every module,
 # and TestCluster.reset() after each test removes what the test left (containers, ranks, supervisors,
-# iptables rules), so no test sees another's job; test_testhosts.py proves the reset.
+# iptables rules, a stopped sshd), so no test sees another's job; test_testhosts.py proves the reset. The
+# docker cluster has a third host, the spare of test_recovery's lost node, which building three fresh docker
+# hosts and loading the image onto each cost about 100 s there; every other test sees the first two only.
 @pytest.fixture(scope="session")
 def shared_process_hosts(tmp_path_factory):
     require_test_hosts()
@@ -177,12 +179,12 @@ def shared_process_hosts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_docker_hosts(tmp_path_factory, cpu_image_tag, local_docker_url):
-    """Two docker hosts holding the CPU image, as `dzctl launch` leaves them after distributing it."""
+    """Three docker hosts holding the CPU image, as `dzctl launch` leaves them after distributing it."""
     import subprocess
     import sys
 
     require_test_hosts(docker=True)
-    with TestCluster(2, docker=True, workdir=tmp_path_factory.mktemp("pair-docker")) as hosts:
+    with TestCluster(3, docker=True, workdir=tmp_path_factory.mktemp("trio-docker")) as hosts:
         hostfile = hosts.write_hostfile(hosts.workdir / "hosts.txt", slots=1)
         env = {**os.environ, "DOCKER_HOST": local_docker_url}
         argv = [sys.executable, "-m", "orchestrator", "distribute", cpu_image_tag, "--hosts", str(hostfile),
@@ -201,6 +203,13 @@ def process_pair(shared_process_hosts):
 
 @pytest.fixture
 def docker_pair(shared_docker_hosts):
-    """The shared two docker hosts (the CPU image loaded); what the test leaves is removed after it."""
+    """Two of the shared docker hosts (the CPU image loaded); what the test leaves is removed after it."""
+    yield shared_docker_hosts.first(2)
+    shared_docker_hosts.reset()
+
+
+@pytest.fixture
+def docker_trio(shared_docker_hosts):
+    """All three shared docker hosts (the CPU image loaded); what the test leaves is removed after it."""
     yield shared_docker_hosts
     shared_docker_hosts.reset()

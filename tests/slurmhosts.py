@@ -263,6 +263,10 @@ class SlurmCluster:
             # their containers and record their end.
             "KillWait=30",
             "SlurmdTimeout=60",
+            # A client command that finds slurmctld down retries for about 2 x (MessageTimeout - 1) s: 18 s
+            # each at the default 10 (measured here with squeue; scancel about half), which the tests that
+            # stop Slurm on purpose waited out several times over. Every answer here is local and quick.
+            "MessageTimeout=5",
             "InactiveLimit=0",
             # Each node's address: slurmctld reaches the slurmds over the bridge.
             *(f"NodeName={h.name} NodeAddr={h.address} CPUs={self.cpus} State=UNKNOWN" for h in self.hosts.hosts),

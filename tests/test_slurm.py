@@ -149,7 +149,7 @@ def slurm_docker(shared_docker_hosts, cpu_image_tag):
 
     # Slurm ships no image: the nodes have it already, as a site's nodes would (a registry, a load):
     # the shared docker pair holds the CPU image.
-    with SlurmCluster(hosts=shared_docker_hosts) as cluster:
+    with SlurmCluster(hosts=shared_docker_hosts.first(2)) as cluster:  # two Slurm nodes, as slurm_process
         yield cluster, cpu_image_tag
 
 

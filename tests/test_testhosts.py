@@ -131,11 +131,11 @@ def test_clusters_of_killed_test_runs_are_swept(tmp_path):
 
 
 def test_reset_removes_what_a_test_left_running_and_keeps_the_hosts_up(shared_docker_hosts, cpu_image_tag):
-    """The shared pairs are reset after each test: a job left running by one test is gone before the next."""
+    """The shared hosts are reset after each test: a job left running by one test is gone before the next."""
     import time
 
     hosts = shared_docker_hosts
-    node0, node1 = hosts.hosts
+    node0, node1, node2 = hosts.hosts
     # What a test could leave behind: a detached process over SSH (as the process runtime's supervisor is),
     # a running container (as the docker runtime's rank is), and a firewall rule.
     started = _ssh(hosts, node0, "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
@@ -144,6 +144,8 @@ def test_reset_removes_what_a_test_left_running_and_keeps_the_hosts_up(shared_do
     hosts.run_in(node1, ["docker", "run", "--detach", "--network", "host", "--name", "left-behind",
                          cpu_image_tag, "sleep", "600"])  # fmt: skip
     hosts.run_in(node1, ["iptables", "-A", "INPUT", "-s", node0.address, "-j", "DROP"])
+    hosts.stop_sshd(node2)  # a node lost for good, as test_recovery leaves its spare's neighbour
+    assert _ssh(hosts, node2, "hostname").returncode != 0
 
     removed = hosts.reset()
 
@@ -157,6 +159,18 @@ def test_reset_removes_what_a_test_left_running_and_keeps_the_hosts_up(shared_do
     assert "DROP" not in hosts.run_in(node1, ["iptables", "-S"]).stdout
     # The hosts themselves are as before: sshd answers, dockerd answers and still holds the image.
     assert _ssh(hosts, node1, "hostname").stdout.strip() == "node1"
+    assert "node2: sshd was stopped (started again, same host key)" in removed, removed
+    assert _ssh(hosts, node2, "hostname").stdout.strip() == "node2"  # known_hosts still holds its key
     inspect = hosts.run_in(node1, ["docker", "image", "inspect", cpu_image_tag], check=False)
     assert inspect.returncode == 0, inspect.stderr
     assert hosts.reset() == []  # nothing left: a second reset finds nothing to remove
+
+
+def test_a_view_of_the_first_hosts_names_only_them_and_shares_the_rest(shared_docker_hosts, tmp_path):
+    """docker_pair's two hosts: hostfiles and resets see two, on the same network, keys and daemons."""
+    whole = shared_docker_hosts
+    pair = whole.first(2)
+    assert [h.name for h in pair.hosts] == ["node0", "node1"] and len(whole.hosts) == 3
+    assert pair.write_hostfile(tmp_path / "h.txt").read_text() == "node0 slots=1\nnode1 slots=1\n"
+    assert pair.ssh_config == whole.ssh_config and pair.keep is whole.keep and pair.hosts[0] is whole.hosts[0]
+    assert _ssh(pair, pair.hosts[1], "hostname").stdout.strip() == "node1"

@@ -28,6 +28,7 @@ talks to Docker.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import ipaddress
 import json
@@ -156,6 +157,17 @@ class TestCluster:
         """The controller's address on the bridge (what the hosts see it as)."""
         return str(self.network.network_address + 1)
 
+    def first(self, n: int) -> TestCluster:
+        """The first ``n`` hosts as a cluster of their own: the same network, keys, ssh_config and daemons.
+
+        Hostfiles, ``reset`` and loops over ``hosts`` see only those n; the others stay up, unseen. Never
+        closed itself: the whole cluster's owner closes it.
+        """
+        view = copy.copy(self)
+        view.hosts = self.hosts[:n]
+        view.n = n
+        return view
+
     def host(self, name: str) -> TestHost:
         for host in self.hosts:
             if host.name == name:
@@ -238,6 +250,9 @@ class TestCluster:
                     os.kill(pid, signal.SIGKILL)
                     removed.append(f"{host.name}: pid {pid} ({comm})")
             self.run_in(host, ["iptables", "-F"], check=False)
+            if host.sshd_pid is None:  # a test stopped it (a node lost): the next test gets the host up
+                self.start_sshd(host)
+                removed.append(f"{host.name}: sshd was stopped (started again, same host key)")
         return removed
 
     # -- network --------------------------------------------------------------

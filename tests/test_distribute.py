@@ -1,8 +1,10 @@
 """dzctl distribute: same image ID on every node, skip nodes that have it, survive a node lost mid-way.
 
 Real parts only: the image comes from a dockerd on this machine's root namespace; the nodes are
-test hosts (network namespaces) each with its own sshd and dockerd (tests/testhosts.py). The image
-sent is the local Debian base (~470 MB): big enough to cut a transfer half-way, small enough for CI.
+test hosts (network namespaces) each with its own sshd and dockerd (tests/testhosts.py). A transfer
+cut half-way sends the local Debian base (~470 MB), big enough to cut mid-stream; the tests of what is
+sent, skipped and tagged send a small real image (busybox and 24 MiB of incompressible bytes) that
+docker loads in a second: loading the Debian base on each node cost them about 100 s in all.
 """
 
 from __future__ import annotations
@@ -116,24 +118,46 @@ def dzctl(args: list[str], docker_url: str, timeout: float = 900) -> subprocess.
     )
 
 
+@pytest.fixture(scope="module")
+def small_base(local_docker_url, tmp_path_factory) -> str:
+    """A small real image on the local daemon: busybox (sh, for RUN steps) and 24 MiB of random bytes."""
+    import random
+
+    root = tmp_path_factory.mktemp("small-base")
+    (root / "bin").mkdir()
+    shutil.copy(shutil.which("busybox"), root / "bin" / "busybox")
+    for applet in ("sh", "echo", "cat"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "filler").write_bytes(random.Random(0).randbytes(24 << 20))
+    tag = "dzctl-test/small-base:1"
+    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+    imported = subprocess.run(
+        ["docker", "-H", local_docker_url, "import", "--change", "ENV PATH=/bin", "-", tag],
+        stdin=tar.stdout, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    tar.wait()
+    assert imported.returncode == 0, imported.stderr
+    return tag
+
+
 @pytest.mark.integration
-def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, base_image, tmp_path):
+def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, small_base, tmp_path):
     hosts = cluster(3, docker=True)
     hostfile = hosts.write_hostfile(tmp_path / "hostfile", slots=1)
-    local_id = docker.DockerClient(base_url=local_docker_url, version="auto").images.get(base_image).id
+    local_id = docker.DockerClient(base_url=local_docker_url, version="auto").images.get(small_base).id
     # node1 already has the image, under another name only: it must be skipped (no transfer)
     # and given the name.
     node1 = hosts.hosts[1].docker_host
     seeded = subprocess.run(
-        f"docker -H {local_docker_url} save {base_image} | docker -H {node1} load"
-        f" && docker -H {node1} tag {base_image} other/name:1 && docker -H {node1} rmi {base_image}",
+        f"docker -H {local_docker_url} save {small_base} | docker -H {node1} load"
+        f" && docker -H {node1} tag {small_base} other/name:1 && docker -H {node1} rmi {small_base}",
         shell=True,
         capture_output=True,
         text=True,
     )
     assert seeded.returncode == 0, seeded.stderr
-    assert host_image_id(hosts, hosts.hosts[1], base_image) is None
-    args = ["distribute", base_image, "--hosts", str(hostfile), "--ssh-config", str(hosts.ssh_config), "--json"]
+    assert host_image_id(hosts, hosts.hosts[1], small_base) is None
+    args = ["distribute", small_base, "--hosts", str(hostfile), "--ssh-config", str(hosts.ssh_config), "--json"]
 
     first = dzctl(args, local_docker_url)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -141,9 +165,9 @@ def test_distribute_to_three_hosts_then_noop(cluster, local_docker_url, base_ima
     assert report["ok"] and report["image_id"] == local_id
     status = {h["host"]: h["status"] for h in report["hosts"]}
     assert status == {"node0": "loaded", "node1": "present", "node2": "loaded"}
-    assert report["hosts"][1]["detail"] == f"already had it; tagged {base_image}"
+    assert report["hosts"][1]["detail"] == f"already had it; tagged {small_base}"
     for host in hosts.hosts:
-        assert host_image_id(hosts, host, base_image) == local_id, host.name  # by tag, as loaded
+        assert host_image_id(hosts, host, small_base) == local_id, host.name  # by tag, as loaded
     # Saved once and sent whole to each loading node.
     sent = {h["host"]: h["bytes_sent"] for h in report["hosts"]}
     assert sent["node0"] == sent["node2"] == report["wire_bytes"] > 0
@@ -249,21 +273,21 @@ def registry(tmp_path):
 
 
 @pytest.mark.integration
-def test_push_then_every_node_pulls_the_same_id(cluster, local_docker_url, base_image, registry):
+def test_push_then_every_node_pulls_the_same_id(cluster, local_docker_url, small_base, registry):
     hosts = cluster(2, docker=True)
     # The controller's address on the hosts' bridge: the local daemon and every node reach it.
     address = registry(hosts.gateway)
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
-    local_id = client.images.get(base_image).id
+    local_id = client.images.get(small_base).id
     with HostPool([h.name for h in hosts.hosts], ssh_config=hosts.ssh_config) as pool:
-        result = distribute_via_registry(base_image, [h.name for h in hosts.hosts], pool, address, client=client)
+        result = distribute_via_registry(small_base, [h.name for h in hosts.hosts], pool, address, client=client)
     assert result.ok, result.to_dict()
     assert result.codec == "registry"
-    remote = f"{address}/{base_image.split('/')[-1]}"
+    remote = f"{address}/{small_base.split('/')[-1]}"
     for host in hosts.hosts:
         assert result.hosts[host.name].status == "loaded"
-        assert result.hosts[host.name].detail == f"pulled {remote}; tagged {base_image}"
-        assert host_image_id(hosts, host, base_image) == local_id
+        assert result.hosts[host.name].detail == f"pulled {remote}; tagged {small_base}"
+        assert host_image_id(hosts, host, small_base) == local_id
         assert host_image_id(hosts, host, remote) == local_id
 
 
@@ -345,11 +369,11 @@ def build_local(docker_url: str, tag: str, dockerfile: str, workdir) -> str:
 
 
 @pytest.mark.integration
-def test_only_missing_layers_travel_and_ids_match(cluster, local_docker_url, base_image, tmp_path):
+def test_only_missing_layers_travel_and_ids_match(cluster, local_docker_url, small_base, tmp_path):
     hosts = cluster(2, docker=True)
     names = [h.name for h in hosts.hosts]
     # v1: the base plus a small layer; v2: one more small layer (a code change); v2b: v2 relabelled.
-    run = f"FROM {base_image}\nRUN echo one > /one\n"
+    run = f"FROM {small_base}\nRUN echo one > /one\n"
     build_local(local_docker_url, "dzctl-test/layers:v1", run, tmp_path / "v1")
     v2 = build_local(
         local_docker_url, "dzctl-test/layers:v2", run + f"RUN echo {tmp_path.name} > /two\n", tmp_path / "v2"
@@ -361,7 +385,7 @@ def test_only_missing_layers_travel_and_ids_match(cluster, local_docker_url, bas
         tmp_path / "v2b",
     )
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=900)
-    base_bytes = client.images.get(base_image).attrs["Size"]
+    base_bytes = client.images.get(small_base).attrs["Size"]
     with HostPool(names, ssh_config=hosts.ssh_config) as pool:
         first = distribute_image("dzctl-test/layers:v1", ["node0"], pool, client=client, codec="none", layer_store=None)
         assert first.ok and first.hosts["node0"].layers_held == 0  # nothing in common: the full stream
@@ -383,12 +407,12 @@ def test_only_missing_layers_travel_and_ids_match(cluster, local_docker_url, bas
 
 
 @pytest.mark.integration
-def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_url, base_image, tmp_path, monkeypatch):
+def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_url, small_base, tmp_path, monkeypatch):
     # The listing says node0 holds the base layer, but it does not (it was pruned between the
     # listing and the load): its partial load fails, and it is sent the full stream instead.
     hosts = cluster(1, docker=True)
     tag = "dzctl-test/layers:lost"
-    image_id = build_local(local_docker_url, tag, f"FROM {base_image}\nRUN echo lost > /lost\n", tmp_path / "img")
+    image_id = build_local(local_docker_url, tag, f"FROM {small_base}\nRUN echo lost > /lost\n", tmp_path / "img")
     import orchestrator.image.distribute as distribute
 
     monkeypatch.setattr(distribute, "held_layers", lambda pool, hosts, layers: dict.fromkeys(hosts, 1))
@@ -397,7 +421,7 @@ def test_a_node_that_lost_its_layers_gets_the_whole_image(cluster, local_docker_
         result = distribute_image(tag, ["node0"], pool, client=client, codec="none", layer_store=None)
     assert result.ok, result.to_dict()
     assert result.hosts["node0"].layers_held == 0  # the last attempt: whole
-    assert result.hosts["node0"].bytes_sent > 100_000_000
+    assert result.hosts["node0"].bytes_sent > 24 << 20  # the base's random bytes too
     assert host_image_id(hosts, hosts.hosts[0], tag) == image_id
 
 

@@ -254,6 +254,7 @@ def prepare(
             skip=options.skip_collective,
             timeout_s=options.collective_timeout_s,
             job_id=job_id,
+            ds_config=ds_config,
         )
     if not report.ok:
         progress.preflight(report, final=True)

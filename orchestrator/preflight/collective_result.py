@@ -136,6 +136,8 @@ class Settings:
     size_bytes: int
     iters: int
     warmup: int
+    gather_bytes: int | None = None  # None: size_bytes
+    reduce_bytes: int | None = None
 
 
 @dataclass

@@ -117,6 +117,13 @@ def test_the_check_passes_reports_a_bandwidth_and_leaves_nothing(check):
     assert figures["form_s"] is not None and figures["iters"] == 3 and figures["bytes"] == 8 * 2**20
     assert [n["host"] for n in figures["nodes"]] == [h.name for h in check.cluster.hosts]
     assert all(n["busbw_gbs"] > 0 for n in figures["nodes"])
+    # What ZeRO-3 runs, measured on the same real gloo group: two nodes, so the inter-node bound.
+    zero3 = figures["zero3"]
+    assert zero3["scope"] == "inter", zero3
+    for name in ("all_gather", "reduce_scatter"):
+        assert zero3[name]["bytes"] == 8 * 2**20 and zero3[name]["busbw_gbs"] > 0, zero3
+        assert 0 < zero3[name]["latency_s"] < zero3[name]["mean_s"], zero3
+    assert zero3["all_reduce_latency_s"] > 0
     for host in report["hosts"]:
         (collective,) = [c for c in host["checks"] if c["name"] == "collective"]
         assert collective["status"] == "ok" and "busbw" in collective["detail"], collective

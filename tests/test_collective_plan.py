@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from orchestrator.planning.launchplan import make_plan
-from orchestrator.preflight.collective import CHECK_ENV, CollectiveRequest, collective_plan, settings_for
+from orchestrator.preflight.collective import (
+    CHECK_ENV,
+    CollectiveRequest,
+    collective_plan,
+    planned_bucket_bytes,
+    settings_for,
+)
 from orchestrator.preflight.model import PreflightReport
 from orchestrator.spec.hostfile import Node
 from orchestrator.spec.job import load_job
@@ -62,3 +68,14 @@ def test_cpu_jobs_use_a_small_message():
     job = load_job(ROOT / "jobs/tiny-cpu.yaml")
     settings = settings_for(job.spec, CollectiveRequest(timeout_s=20))
     assert (settings.size_bytes, settings.iters, settings.warmup, settings.timeout_s) == (8 * 2**20, 3, 1, 20)
+
+
+def test_on_gpus_the_zero3_collectives_take_the_planned_bucket_sizes_and_cpu_jobs_keep_the_small_one():
+    job = load_job(ROOT / "jobs/qwen3-8b.yaml")
+    ds_config = {"zero_optimization": {"reduce_bucket_size": 16_777_216, "stage3_prefetch_bucket_size": 15_099_494}}
+    assert planned_bucket_bytes(ds_config, "gpu") == {"gather_bytes": 30_198_988, "reduce_bytes": 33_554_432}
+    assert planned_bucket_bytes(ds_config, "cpu") == {} and planned_bucket_bytes({}, "gpu") == {}
+    request = CollectiveRequest(**planned_bucket_bytes(ds_config, "gpu"))
+    check = collective_plan(job.spec, NODES, REPORT, "j-1-nccl", settings_for(job.spec, request))
+    tail = check.nodes[0].command[-4:]
+    assert tail == ("--gather-bytes", "30198988", "--reduce-bytes", "33554432")

@@ -254,10 +254,12 @@ def prepare(
             skip=options.skip_collective,
             timeout_s=options.collective_timeout_s,
             job_id=job_id,
+            ds_config=ds_config,
         )
     if not report.ok:
         progress.preflight(report, final=True)
         require_preflight(report)
+    progress.note(measured_links_note(report.collective))
     plan = make_plan(
         job.spec,
         nodes,
@@ -282,6 +284,19 @@ def execute(prepared: Prepared, backend: Backend, progress: Progress | None = No
     prepared.phases.seconds["total_to_running"] = round(time.monotonic() - prepared.started_at, 3)
     progress.note(f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
     return started
+
+
+def measured_links_note(collective: dict | None) -> str:
+    """What the step-time model's links are at launch: the check's ZeRO-3 figures, or why there are none."""
+    from ..planning.speed.communication import Links
+
+    # The intra-node side a multi-node check does not measure plays no part in this line: unbounded.
+    links = Links.measured(collective, intra_bytes_per_s=float("inf"))
+    if links is None:
+        why = (collective or {}).get("reason") or "the collective check measured no all-gather/reduce-scatter"
+        return f"step-time links: not measured ({why}); the model needs --link-gbps (dzctl plan)"
+    latency = links.inter_latency_s if links.inter_bytes_per_s is not None else links.intra_latency_s
+    return f"step-time links: {links.source}, per-collective latency {(latency or 0.0) * 1e6:.0f} µs"
 
 
 def require_preflight(report) -> None:

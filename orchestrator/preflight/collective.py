@@ -56,6 +56,23 @@ class CollectiveRequest:
     timeout_s: float = DEFAULT_TIMEOUT_S
     size_bytes: int | None = None  # None: by accelerator (GPU_BYTES / CPU_BYTES)
     iters: int | None = None
+    # ZeRO-3's buckets in bytes (the plan's ds_config, on GPUs): the all-gather and reduce-scatter sizes.
+    gather_bytes: int | None = None
+    reduce_bytes: int | None = None
+
+
+def planned_bucket_bytes(ds_config: dict | None, accelerator: str) -> dict[str, int]:
+    """The all-gather/reduce-scatter sizes the check times: the planned prefetch and reduce buckets, in bf16 bytes.
+
+    Only on GPUs: CPU (gloo) jobs keep the check's small test size, so the check stays as fast as before.
+    """
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    if accelerator != "gpu" or not isinstance(zero, dict):
+        return {}
+    sizes = {"gather_bytes": zero.get("stage3_prefetch_bucket_size"), "reduce_bytes": zero.get("reduce_bucket_size")}
+    return {
+        k: int(v) * 2 for k, v in sizes.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    }
 
 
 def settings_for(spec: JobSpec, request: CollectiveRequest) -> Settings:
@@ -65,6 +82,8 @@ def settings_for(spec: JobSpec, request: CollectiveRequest) -> Settings:
         size_bytes=request.size_bytes or (GPU_BYTES if gpu else CPU_BYTES),
         iters=request.iters or (GPU_ITERS if gpu else CPU_ITERS),
         warmup=GPU_WARMUP if gpu else CPU_WARMUP,
+        gather_bytes=request.gather_bytes,
+        reduce_bytes=request.reduce_bytes,
     )
 
 
@@ -93,6 +112,8 @@ def collective_plan(
         str(settings.warmup),
         "--timeout",
         str(int(settings.timeout_s + MEASURE_S)),
+        *(("--gather-bytes", str(settings.gather_bytes)) if settings.gather_bytes else ()),
+        *(("--reduce-bytes", str(settings.reduce_bytes)) if settings.reduce_bytes else ()),
     )
     return make_plan(
         check_spec,
@@ -316,9 +337,14 @@ def collective_unless_skipped(
     skip: bool,
     timeout_s: float,
     job_id: str | None = None,
+    ds_config: dict | None = None,
 ) -> None:
-    """What ``preflight`` and ``launch`` call: the findings join ``report`` (hosts' checks and ``collective``)."""
+    """What ``preflight`` and ``launch`` call: the findings join ``report`` (hosts' checks and ``collective``).
+
+    ``ds_config``: launch's planned config, whose bucket sizes the all-gather/reduce-scatter then take.
+    """
     if skip:
         skipped(report, "skipped (--skip-collective)")
         return
-    run_collective_stage(spec, nodes, pool, report, CollectiveRequest(timeout_s=timeout_s), job_id=job_id)
+    request = CollectiveRequest(timeout_s=timeout_s, **planned_bucket_bytes(ds_config, spec.accelerator))
+    run_collective_stage(spec, nodes, pool, report, request, job_id=job_id)

@@ -136,6 +136,8 @@ class Settings:
     size_bytes: int
     iters: int
     warmup: int
+    gather_bytes: int | None = None  # None: size_bytes
+    reduce_bytes: int | None = None
 
 
 @dataclass
@@ -219,6 +221,7 @@ def judge(
         algbw_gbs=result.get("group_algbw_gbs"),
         busbw_gbs=result.get("group_busbw_gbs"),
     )
+    figures["zero3"] = zero3_figures(result, multi_node)
     size_mib = figures["bytes"] / 2**20
     base = (
         f"all-reduce {size_mib:g} MiB × {settings.iters} over {world} rank(s): busbw {figures['busbw_gbs']} GB/s, "
@@ -258,6 +261,46 @@ def judge(
         checks[watch.host] = check
     figures["ok"] = all(c.status != "fail" for c in checks.values())
     return CollectiveOutcome(checks, figures)
+
+
+ZERO3_COLLECTIVES = ("all_gather", "reduce_scatter")
+
+
+def zero3_figures(result: dict, multi_node: bool) -> dict | None:
+    """ZeRO-3's collectives as the check measured them (the group's slowest rank), and which link they bound.
+
+    Which link: the check has one group over every rank and no per-link timing. On several
+    nodes a ring collective moves at the pace of its slowest edge, a node's network link
+    (NVLink/PCIe within a node is many times faster), so the figures are the inter-node bound;
+    on one node there is no network in the ring and they are the intra-node figures.
+    ``None``: a node that ran an older check module printed no such fields.
+    """
+    if result.get("all_gather_group_busbw_gbs") is None:
+        return None
+    out: dict = {"scope": "inter" if multi_node else "intra"}
+    for name in ZERO3_COLLECTIVES:
+        out[name] = {
+            "bytes": result.get(f"{name}_bytes"),
+            "mean_s": result.get(f"{name}_group_mean_s"),
+            "busbw_gbs": result.get(f"{name}_group_busbw_gbs"),
+            "latency_s": result.get(f"{name}_latency_s"),
+        }
+    out["all_reduce_latency_s"] = result.get("all_reduce_latency_s")
+    return out
+
+
+def describe_zero3(zero3: dict | None) -> str | None:
+    """``all-gather 0.41 GB/s (latency 327 µs), reduce-scatter ...``, or None when not measured."""
+    if not zero3:
+        return None
+    measured = [(name, zero3.get(name) or {}) for name in ZERO3_COLLECTIVES]
+    parts = [
+        f"{name.replace('_', '-')} {one['busbw_gbs']} GB/s busbw (latency {one['latency_s'] * 1e6:.0f} µs)"
+        for name, one in measured
+        if one.get("busbw_gbs") is not None and one.get("latency_s") is not None
+    ]
+    where = "between nodes" if zero3.get("scope") == "inter" else "within the node"
+    return f"{', '.join(parts)} {where}" if parts else None
 
 
 def never_joined(watches: list[NodeWatch]) -> list[NodeWatch]:
@@ -364,6 +407,7 @@ def describe_collective(figures: dict) -> str:
         f"collective check: all-reduce {figures['bytes'] / 2**20:g} MiB × {figures['iters']} over "
         f"{figures['world_size']} rank(s), {figures.get('backend')}: busbw {figures.get('busbw_gbs')} GB/s, "
         f"algbw {figures.get('algbw_gbs')} GB/s{via}; {_formed(figures)}, check took {figures.get('elapsed_s')} s"
+        + (f"; {zero3}" if (zero3 := describe_zero3(figures.get("zero3"))) else "")
     )
 
 

@@ -11,6 +11,13 @@ Every rank prints its progress as ``dzctl-collective {json}`` lines (``start``, 
 ``store``, ``group``, ``iter``, ``result`` or ``error``): the controller tells from them the last
 step each node reached. Bandwidth is computed as nccl-tests does: ``algbw = bytes /
 time``, ``busbw = algbw × 2(n−1)/n`` for an all-reduce over n ranks.
+
+After the all-reduce it times what ZeRO-3 runs per micro-step: the all-gather (``--gather-bytes``,
+the prefetch bucket) and the reduce-scatter (``--reduce-bytes``, the reduce bucket), each with
+``busbw = algbw × (n−1)/n`` over the whole gathered/reduced tensor, and each collective's
+latency: the mean time of one call on a one-element-per-rank message, where bandwidth plays
+no part. They are fields of the same ``result`` line (``all_gather_*``, ``reduce_scatter_*``,
+``*_latency_s``); the all-reduce's fields keep their names.
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ MARK = "dzctl-collective "
 def bus_factor(world_size: int) -> float:
     """nccl-tests' all-reduce bus-bandwidth factor: what each link carries relative to the data."""
     return 2 * (world_size - 1) / world_size if world_size > 1 else 0.0
+
+
+def gather_factor(world_size: int) -> float:
+    """nccl-tests' factor for all-gather and reduce-scatter: each rank sends/receives (n−1)/n of the tensor."""
+    return (world_size - 1) / world_size if world_size > 1 else 0.0
+
+
+LATENCY_ITERS = 10  # one-element calls: ~0.1 ms each on gloo, ~10 µs on NCCL
 
 
 class Reporter:
@@ -51,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="timed all-reduces, in rounds of --per-round")
     parser.add_argument("--per-round", type=int, default=4, help="all-reduces queued back to back per timed round")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--gather-bytes", type=int, default=None, help="all-gather size (default: --bytes)")
+    parser.add_argument("--reduce-bytes", type=int, default=None, help="reduce-scatter size (default: --bytes)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the store and the group to form")
     args = parser.parse_args(argv)
 
@@ -129,12 +146,33 @@ def _run(args, rank: int, world: int, local_rank: int, report: Reporter) -> int:
         report("iter", i=index, rounds=rounds, s=round(took / per_round, 6))
     iters = rounds * per_round
     mean = total / iters
-    # The group's time is its slowest rank's: an all-reduce ends for everyone at once, but
-    # a rank that entered late measured less.
-    slowest = torch.tensor([mean], dtype=torch.float64, device=device)
+    zero = _zero_collectives(args, dist, torch, dtype, device, world, gpu, iters)
+    # The group's time is its slowest rank's: a collective ends for everyone at once, but
+    # a rank that entered late measured less. One MAX over every figure at once.
+    names = ["all_reduce_mean_s", *zero]
+    slowest = torch.tensor([mean, *zero.values()], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    group_mean = slowest.item()
+    group = dict(zip(names, slowest.tolist(), strict=True))
+    group_mean = group["all_reduce_mean_s"]
     factor = bus_factor(world)
+    extra: dict = {}
+    for name, nbytes in (
+        ("all_gather", zero_bytes(args.gather_bytes, size)),
+        ("reduce_scatter", zero_bytes(args.reduce_bytes, size)),
+    ):
+        nbytes = _rounded(nbytes, world, dtype, torch)
+        own, grp = zero[f"{name}_mean_s"], group[f"{name}_mean_s"]
+        extra.update(
+            {
+                f"{name}_bytes": nbytes,
+                f"{name}_mean_s": round(own, 6),
+                f"{name}_busbw_gbs": round(nbytes / own / 1e9 * gather_factor(world), 3),
+                f"{name}_group_mean_s": round(grp, 6),
+                f"{name}_group_busbw_gbs": round(nbytes / grp / 1e9 * gather_factor(world), 3),
+            }
+        )
+    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+        extra[f"{name}_latency_s"] = round(group[f"{name}_latency_s"], 7)
     report(
         "result",
         backend=backend,
@@ -149,9 +187,61 @@ def _run(args, rank: int, world: int, local_rank: int, report: Reporter) -> int:
         group_mean_s=round(group_mean, 6),
         group_algbw_gbs=round(size / group_mean / 1e9, 3),
         group_busbw_gbs=round(size / group_mean / 1e9 * factor, 3),
+        **extra,
     )
     dist.destroy_process_group()
     return 0
+
+
+def zero_bytes(given: int | None, default: int) -> int:
+    return given if given and given > 0 else default
+
+
+def _rounded(nbytes: int, world: int, dtype, torch) -> int:
+    """The whole tensor's bytes, a whole number of elements per rank (the collectives split it evenly)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    return max(1, nbytes // (element * world)) * element * world
+
+
+def _zero_collectives(args, dist, torch, dtype, device, world: int, gpu: bool, iters: int) -> dict[str, float]:
+    """Mean seconds of ZeRO-3's all-gather and reduce-scatter at their sizes, and of one tiny call of each kind."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    times: dict[str, float] = {}
+    for name, given in (("all_gather", args.gather_bytes), ("reduce_scatter", args.reduce_bytes)):
+        per_rank = _rounded(zero_bytes(given, args.bytes), world, dtype, torch) // element // world
+        times[f"{name}_mean_s"] = _timed(
+            _op(name, dist, torch, per_rank, world, dtype, device), iters, args.warmup, gpu
+        )
+    # Latency: one element per rank, the call's fixed cost (NCCL's ring model's base + per-hop terms).
+    one = torch.ones(1, dtype=dtype, device=device)
+    tiny = {
+        "all_reduce": lambda: dist.all_reduce(one),
+        "all_gather": _op("all_gather", dist, torch, 1, world, dtype, device),
+        "reduce_scatter": _op("reduce_scatter", dist, torch, 1, world, dtype, device),
+    }
+    for name, call in tiny.items():
+        times[f"{name}_latency_s"] = _timed(call, LATENCY_ITERS, 2, gpu)
+    return times
+
+
+def _op(name: str, dist, torch, per_rank: int, world: int, dtype, device):
+    shard = torch.ones(per_rank, dtype=dtype, device=device)
+    whole = torch.ones(per_rank * world, dtype=dtype, device=device)
+    if name == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, shard)
+    return lambda: dist.reduce_scatter_tensor(shard, whole)
+
+
+def _timed(call, iters: int, warmup: int, gpu: bool) -> float:
+    """Mean seconds per call, queued back to back with one synchronisation at the end (as the all-reduce)."""
+    for _ in range(warmup):
+        call()
+    _sync(gpu)
+    began = time.perf_counter()
+    for _ in range(max(1, iters)):
+        call()
+    _sync(gpu)
+    return (time.perf_counter() - began) / max(1, iters)
 
 
 def _sync(gpu: bool) -> None:

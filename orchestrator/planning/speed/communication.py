@@ -81,6 +81,42 @@ class Links:
         inter = None if inter_gbit_s is None else inter_gbit_s * 1e9 / 8 * RATED_LINK_EFFICIENCY
         return cls(inter_bytes_per_s=inter, intra_bytes_per_s=intra_bytes_per_s, source=source)
 
+    @classmethod
+    def measured(cls, collective: dict | None, intra_bytes_per_s: float) -> Links | None:
+        """From the collective check's figures (``report.collective``, kept with the job), or None if it measured none.
+
+        The check's ``zero3`` figures are the inter-node bound on several nodes and the
+        intra-node figures on one (see ``preflight/collective_result.zero3_figures``): the
+        all-gather's bus bandwidth and latency, and the reduce-scatter's bandwidth apart.
+        The side not measured keeps ``intra_bytes_per_s`` (the GPU kind's) or stays unknown.
+        """
+        zero3 = (collective or {}).get("zero3") if (collective or {}).get("ok") else None
+        if not zero3:
+            return None
+        gather, reduce = zero3.get("all_gather") or {}, zero3.get("reduce_scatter") or {}
+        if not gather.get("busbw_gbs") or not reduce.get("busbw_gbs"):
+            return None
+        bandwidth, reduce_bw = gather["busbw_gbs"] * 1e9, reduce["busbw_gbs"] * 1e9
+        latency = max(gather.get("latency_s") or 0.0, reduce.get("latency_s") or 0.0) or None
+        source = (
+            f"measured by the collective check: all-gather {gather['busbw_gbs']:g} GB/s, reduce-scatter "
+            f"{reduce['busbw_gbs']:g} GB/s busbw"
+        )
+        if zero3.get("scope") == "inter":
+            return cls(
+                inter_bytes_per_s=bandwidth,
+                intra_bytes_per_s=intra_bytes_per_s,
+                source=source + " between nodes",
+                inter_latency_s=latency,
+                inter_reduce_bytes_per_s=reduce_bw,
+            )
+        return cls(
+            inter_bytes_per_s=None,
+            intra_bytes_per_s=min(bandwidth, reduce_bw),
+            source=source + " within the node",
+            intra_latency_s=latency,
+        )
+
 
 @dataclass(frozen=True)
 class ZeroSettings:

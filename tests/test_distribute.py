@@ -121,22 +121,10 @@ def dzctl(args: list[str], docker_url: str, timeout: float = 900) -> subprocess.
 @pytest.fixture(scope="module")
 def small_base(local_docker_url, tmp_path_factory) -> str:
     """A small real image on the local daemon: busybox (sh, for RUN steps) and 24 MiB of random bytes."""
-    import random
+    from test_preflight import _busybox_image
 
-    root = tmp_path_factory.mktemp("small-base")
-    (root / "bin").mkdir()
-    shutil.copy(shutil.which("busybox"), root / "bin" / "busybox")
-    for applet in ("sh", "echo", "cat"):
-        (root / "bin" / applet).symlink_to("busybox")
-    (root / "filler").write_bytes(random.Random(0).randbytes(24 << 20))
     tag = "dzctl-test/small-base:1"
-    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-    imported = subprocess.run(
-        ["docker", "-H", local_docker_url, "import", "--change", "ENV PATH=/bin", "-", tag],
-        stdin=tar.stdout, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    tar.wait()
-    assert imported.returncode == 0, imported.stderr
+    _busybox_image(local_docker_url, tmp_path_factory.mktemp("small-base"), tag, filler_bytes=24 << 20)
     return tag
 
 

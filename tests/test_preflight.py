@@ -179,8 +179,11 @@ def test_host_keys_unknown_refused_trusted_with_flag_changed_refused(cluster, tm
     assert report[hosts.hosts[0].name]["checks"][0]["status"] == "ok"
 
 
-def _busybox_image(host_docker: str, workdir: Path, tag: str) -> str:
-    """A tiny real image (busybox: sh, df, ls; no Python) imported into one daemon; returns its ID."""
+def _busybox_image(host_docker: str, workdir: Path, tag: str, filler_bytes: int = 0) -> str:
+    """A tiny real image (busybox: sh, df, ls; no Python) imported into one daemon; returns its ID.
+
+    ``filler_bytes``: a file of that many seeded random bytes (incompressible), for a layer of some size.
+    """
     root = workdir / "rootfs"
     (root / "bin").mkdir(parents=True, exist_ok=True)
     shutil.copy(shutil.which("busybox"), root / "bin" / "busybox")
@@ -190,6 +193,10 @@ def _busybox_image(host_docker: str, workdir: Path, tag: str) -> str:
             link.symlink_to("busybox")
     for d in ("dev", "proc", "sys", "tmp", "etc"):
         (root / d).mkdir(exist_ok=True)
+    if filler_bytes:
+        import random
+
+        (root / "filler").write_bytes(random.Random(0).randbytes(filler_bytes))
     tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
     imported = subprocess.run(
         ["docker", "-H", host_docker, "import", "--change", "ENV PATH=/bin", "-", tag],

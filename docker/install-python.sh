@@ -80,8 +80,10 @@ MSG
 case "$1" in
 torch)
     python3 -m venv "$VENV"
-    # A newer pip where one can be had; the base's own (>= 22.2, for --report) otherwise.
-    "$VENV/bin/pip" install --upgrade pip setuptools wheel ||
+    # A newer pip where one can be had; the base's own (>= 22.2, for --report) otherwise. Optional, so
+    # one try per source: against an index that does not answer, pip's 5 retries with backoff per
+    # package cost about half a minute (minutes where packets are dropped) before this fallback.
+    "$VENV/bin/pip" install --retries 0 --upgrade pip setuptools wheel ||
         echo "dzctl: pip, setuptools and wheel not upgraded (no source had them): the base's pip is used"
     pins > /tmp/dzctl-constraints.txt
     export PIP_CONSTRAINT=/tmp/dzctl-constraints.txt

@@ -106,6 +106,27 @@ def test_localhost_runs_without_ssh(tmp_path):
         conn.run(["sleep", "5"], timeout=0.3)
 
 
+def test_a_local_command_that_exits_returns_while_its_stdin_pipe_is_still_open():
+    # preflight's master-port listener reads a pipe the caller closes only after run() returns; with the
+    # node's Python missing the command exits at once, and run() waited for that pipe (30 s in preflight).
+    import os
+    import threading
+
+    read_end, write_end = os.pipe()
+    returned: list = []
+    with os.fdopen(read_end, "rb", buffering=0) as stdin:
+        runner = threading.Thread(
+            target=lambda: returned.append(LocalConnection().run(["sh", "-c", "exit 3"], stdin=stdin))
+        )
+        runner.start()
+        runner.join(timeout=20)
+        still_waiting = runner.is_alive()
+        os.close(write_end)
+        runner.join(timeout=20)
+    assert not still_waiting, "run() waited for the caller's stdin after the command had exited"
+    assert returned[0].exit_code == 3
+
+
 # -- real hosts -----------------------------------------------------------------
 
 

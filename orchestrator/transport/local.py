@@ -65,10 +65,13 @@ class LocalConnection:
             threading.Thread(target=_pump, args=(proc.stdout, out, on_stdout), daemon=True),
             threading.Thread(target=_pump, args=(proc.stderr, err, on_stderr), daemon=True),
         ]
-        if stdin is not None:
-            threads.append(threading.Thread(target=_pour, args=(stdin, proc.stdin), daemon=True))
         for thread in threads:
             thread.start()
+        if stdin is not None:
+            # Not joined: once the command has exited its input no longer matters, and a caller's pipe
+            # may stay open until after run() returns (preflight's port listener, whose Python is
+            # missing, exits at once while its stdin is the caller's signal to stop).
+            threading.Thread(target=_pour, args=(stdin, proc.stdin), daemon=True).start()
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -136,8 +139,8 @@ def _pour(stdin: Stdin, pipe) -> None:
     try:
         for chunk in stdin_chunks(stdin):
             pipe.write(chunk)
-    except BrokenPipeError:
-        pass  # the command exited without reading all; its exit code says why
+    except (BrokenPipeError, ValueError):
+        pass  # the command exited without reading all (its exit code says why), or the caller closed its source
     finally:
         with contextlib.suppress(BrokenPipeError):
             pipe.close()

@@ -65,15 +65,26 @@ def require_test_hosts(docker: bool = False) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def session_layer_store(tmp_path_factory):
-    """dzctl's layer store for this test session (DZCTL_LAYER_STORE), never the user's own cache.
+    """dzctl's layer store for the test runs (DZCTL_LAYER_STORE), never the user's own cache.
 
     Shared by the session's builds and distributions, as on a controller; a test whose assertions
-    depend on the store passes its own folder (or None) instead.
+    depend on the store passes its own folder (or None) instead. It is kept between runs beside the
+    cached base image (the test dockerd keeps its build cache there too), as a user's store is kept
+    between builds: the CPU image's push into it, about 65 s of the daemon's gzip on 2 cores, is then
+    paid once per image, not once per run. Content-addressed and checked blob by blob as it streams;
+    a second run at the same time goes without it (its lock), and deleting the folder is safe.
     """
     if "DZCTL_LAYER_STORE" in os.environ:
         yield os.environ["DZCTL_LAYER_STORE"]
         return
-    os.environ["DZCTL_LAYER_STORE"] = str(tmp_path_factory.mktemp("layer-store"))
+    from baseimage import CACHE_DIR
+
+    kept = CACHE_DIR / "layer-store"
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        os.environ["DZCTL_LAYER_STORE"] = str(kept)
+    except OSError:  # not root: this session's own folder
+        os.environ["DZCTL_LAYER_STORE"] = str(tmp_path_factory.mktemp("layer-store"))
     try:
         yield os.environ["DZCTL_LAYER_STORE"]
     finally:

@@ -264,3 +264,24 @@ def test_latest_is_the_last_note_printed_and_goes_once_the_job_has_ended():
     text = _text(render(watch, now=23.0))
     assert "SUCCEEDED" in text and "model /out/model" in text
     assert _latest(text) == [] and "consolidating" not in text
+
+
+def test_the_wait_between_polls_ends_when_a_nodes_log_stream_ends():
+    # A node's log stream ends with its ranks: `launch --follow` polls again at once instead of up to
+    # POLL_S later. A stream still running keeps the wait to its full length.
+    import threading
+
+    from orchestrator.commands.follow import POLL_S, wait_for_a_stream_to_end
+
+    ending, running = threading.Event(), threading.Event()
+    streams = [threading.Thread(target=ending.wait, daemon=True), threading.Thread(target=running.wait, daemon=True)]
+    for stream in streams:
+        stream.start()
+    threading.Timer(0.1, ending.set).start()
+    started = time.monotonic()
+    assert wait_for_a_stream_to_end(streams, POLL_S) is True
+    assert time.monotonic() - started < POLL_S / 2
+    started = time.monotonic()
+    assert wait_for_a_stream_to_end(streams, 0.3) is False  # the other one is still streaming
+    assert time.monotonic() - started >= 0.3
+    running.set()

@@ -21,6 +21,7 @@ from ..observe.watchstate import JobWatch, NodeView
 from ..transport.pool import HostPool
 
 POLL_S = 2.0
+STREAM_CHECK_S = 0.05  # how often the wait between polls looks whether a node's log stream ended
 MODES = ("live", "lines", "raw")
 
 
@@ -83,7 +84,7 @@ def follow_job(
         if mode == "live":
             live = _start_live(watch, lock, quiet)
     try:
-        _poll_until_ended(record, pool, watch, lock, stop_gang)
+        _poll_until_ended(record, pool, watch, lock, stop_gang, threads)
         for thread in threads:
             thread.join(timeout=10)  # the log streams end with their ranks
     except KeyboardInterrupt:
@@ -126,7 +127,14 @@ def _start_live(watch: JobWatch, lock: threading.Lock, quiet: bool):
     return live
 
 
-def _poll_until_ended(record: JobRecord, pool: HostPool, watch: JobWatch, lock: threading.Lock, stop_gang: bool):
+def _poll_until_ended(
+    record: JobRecord,
+    pool: HostPool,
+    watch: JobWatch,
+    lock: threading.Lock,
+    stop_gang: bool,
+    streams: list[threading.Thread],
+):
     gang_stopped = False
     while True:
         states = node_states(record, pool)
@@ -145,4 +153,19 @@ def _poll_until_ended(record: JobRecord, pool: HostPool, watch: JobWatch, lock: 
             continue
         if not running:
             return
-        time.sleep(POLL_S)
+        wait_for_a_stream_to_end(streams, POLL_S)
+
+
+def wait_for_a_stream_to_end(streams: list[threading.Thread], timeout: float) -> bool:
+    """Sleep until the next poll, or until one more node's log stream ends, whichever comes first.
+
+    A node's log stream ends with its ranks, so the poll that sees the node ended comes at once,
+    not up to ``POLL_S`` later (``launch --follow`` returned 1 s late on average). True when a stream ended.
+    """
+    alive = sum(t.is_alive() for t in streams)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(t.is_alive() for t in streams) < alive:
+            return True
+        time.sleep(min(STREAM_CHECK_S, max(0.0, deadline - time.monotonic())))
+    return False

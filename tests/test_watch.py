@@ -279,9 +279,14 @@ def test_the_wait_between_polls_ends_when_a_nodes_log_stream_ends():
         stream.start()
     threading.Timer(0.1, ending.set).start()
     started = time.monotonic()
-    assert wait_for_a_stream_to_end(streams, POLL_S) is True
+    assert wait_for_a_stream_to_end(streams, POLL_S, alive=2) is True
     assert time.monotonic() - started < POLL_S / 2
     started = time.monotonic()
-    assert wait_for_a_stream_to_end(streams, 0.3) is False  # the other one is still streaming
+    assert wait_for_a_stream_to_end(streams, 0.3, alive=1) is False  # the other one is still streaming
     assert time.monotonic() - started >= 0.3
+    # A stream that ended while the poll ran (before this wait began) ends the wait at once too.
     running.set()
+    streams[1].join()
+    started = time.monotonic()
+    assert wait_for_a_stream_to_end(streams, POLL_S, alive=1) is True
+    assert time.monotonic() - started < POLL_S / 2

@@ -137,6 +137,7 @@ def _poll_until_ended(
 ):
     gang_stopped = False
     while True:
+        alive = _alive(streams)  # before the poll: a stream that ends during it wakes the wait below at once
         states = node_states(record, pool)
         nodes = [node_status(n["host"], n["node_rank"], states[n["node_rank"]]) for n in record.plan["nodes"]]
         with lock:
@@ -153,19 +154,22 @@ def _poll_until_ended(
             continue
         if not running:
             return
-        wait_for_a_stream_to_end(streams, POLL_S)
+        wait_for_a_stream_to_end(streams, POLL_S, alive)
 
 
-def wait_for_a_stream_to_end(streams: list[threading.Thread], timeout: float) -> bool:
-    """Sleep until the next poll, or until one more node's log stream ends, whichever comes first.
+def wait_for_a_stream_to_end(streams: list[threading.Thread], timeout: float, alive: int) -> bool:
+    """Sleep until the next poll, or until fewer than ``alive`` log streams run, whichever comes first.
 
     A node's log stream ends with its ranks, so the poll that sees the node ended comes at once,
     not up to ``POLL_S`` later (``launch --follow`` returned 1 s late on average). True when a stream ended.
     """
-    alive = sum(t.is_alive() for t in streams)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sum(t.is_alive() for t in streams) < alive:
+        if _alive(streams) < alive:
             return True
         time.sleep(min(STREAM_CHECK_S, max(0.0, deadline - time.monotonic())))
     return False
+
+
+def _alive(streams: list[threading.Thread]) -> int:
+    return sum(t.is_alive() for t in streams)

@@ -2,9 +2,11 @@
 # Issue 29 on one H200: the trainer's per-step overhead through `dzctl launch`, in one session. The raw
 # ZeRO-3 loop (recompute_h200.py) at the LoRA auto plan (micro 6, 6 of 36 layers checkpointed) against the
 # same plan through the product, then each candidate on its own against that control:
-#   gc      - the branch's trainer (GcCallback: automatic GC off, gc.collect(1) every 50 steps),
-#             run from a copy of the branch in $BRANCH (default .whl/gpu3), everything else as the control;
-#   alloc   - the control with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the trainer's env;
+#   gc      - a candidate trainer run from a copy of another checkout in $BRANCH (default .whl/gpu3),
+#             everything else as the control; measured with commit 0a65011's GcCallback (automatic GC off,
+#             gc.collect(1) every 50 steps), reverted after (results/overhead-h200x1-20261204: within noise);
+#   alloc   - the control with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the trainer already
+#             sets for GPU jobs (train/environment.py): a no-op, so it is an A/A control of run-to-run spread;
 # and the full fine-tuning auto plan (18 layers, SFT rows; then synthetic:random) without and with gc.
 # --budget-s 300: useful_tokens_h200.py skips a configuration once less than its 240 s launch limit is
 # left of --budget-s (200 skipped every launch on the first try); the wall limits below are what bound each run.

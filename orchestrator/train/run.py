@@ -14,7 +14,6 @@ eval data, ``eval`` events and (``train.save_best``) ``dzctl-best.json`` (see ev
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -323,39 +322,6 @@ class DzTrainer(Trainer):
         except Exception as exc:
             traceback.print_exc()  # the original failure, for the rank's log
             raise checkpoints.save_failed(path, exc) from exc
-
-
-class GcCallback(TrainerCallback):
-    """Python's automatic cyclic GC off while training; a young-generation collection every ``every`` steps.
-
-    Why: an automatic collection starts whenever allocations cross a threshold, at any point of a
-    step, and a full one walks every tracked object (a 36-layer model's modules, hooks and
-    parameters), stalling the CPU thread that feeds the GPU. Collecting at fixed steps instead puts
-    the pause at the same place on every rank, so no rank becomes the others' straggler
-    (torchtitan's ``gc_freq``). Reference counting still frees everything without cycles.
-    """
-
-    def __init__(self, every: int = 50) -> None:
-        self.every = every
-        self.was_enabled = True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.was_enabled = gc.isenabled()
-        gc.collect()  # the model build's garbage, once, before the first step
-        gc.disable()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
-            gc.collect(1)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.was_enabled:
-            gc.enable()
-
-
-def trainer_callbacks(progress, save_minutes, save: bool, runner) -> list[TrainerCallback]:
-    """Every callback of a dzctl run: progress first (it times the steps), then GC, saves by time, eval."""
-    return [progress, GcCallback(), *save_callbacks(save_minutes, save), *([runner] if runner else [])]
 
 
 class ProgressCallback(TrainerCallback):
@@ -730,7 +696,7 @@ def train(
         train_dataset=dataset,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=trainer_callbacks(callback, spec.train.save_minutes, save, runner),
+        callbacks=[callback, *save_callbacks(spec.train.save_minutes, save), *([runner] if runner else [])],
     )
     callback.trainer = trainer
     trainer.lineage, trainer.marks_folders, trainer.eval_runner = lineage, ranks.marks_folders, runner

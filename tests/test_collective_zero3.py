@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.launcher import measured_links_note
+from orchestrator.planning.speed.atlaunch import measured_links_note
 from orchestrator.planning.speed.communication import Layout, Links, ZeroSettings, comm_time, micro_step_collectives
 from orchestrator.preflight.collective_result import NodeWatch, Settings, describe_collective, judge, zero3_figures
 from orchestrator.train.collective import MARK, gather_factor

@@ -82,7 +82,7 @@ def test_inventory_verdicts_on_the_recorded_gpus():
     assert gpu_inventory_check([], (0,), None).status == "fail"
 
 
-def test_check_gpus_records_memory_and_compute_capability(tmp_path, monkeypatch):
+def test_check_gpus_records_memory_compute_capability_and_the_gpu_name(tmp_path, monkeypatch):
     """check_gpus through a real local connection, with the recorded nvidia-smi standing in for the tool."""
     from orchestrator.preflight.checks import check_gpus
     from orchestrator.transport.local import LocalConnection
@@ -101,6 +101,7 @@ def test_check_gpus_records_memory_and_compute_capability(tmp_path, monkeypatch)
     checks = check_gpus(LocalConnection(), _ctx(_spec(accelerator="gpu"), slots=(1,)), facts)
     assert [c.status for c in checks] == ["ok"], checks
     assert (facts.gpu_mem_mib, facts.gpu_compute_capability) == (143771, 9.0)
+    assert facts.gpu_name == "NVIDIA H200"  # the step-time model's GPU kind at launch
     assert (facts.driver, facts.driver_cuda) == ("580.159.04", "13.0")
 
 

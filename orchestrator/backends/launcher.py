@@ -26,10 +26,11 @@ from ..errors import RuntimeFailure, SpecError
 from ..planning.dsconfig import BF16_MIN_COMPUTE_CAPABILITY, bf16_supported_by
 from ..planning.inputs import JobInputs, job_secrets, read_inputs
 from ..planning.launchplan import LaunchPlan, make_plan
-from ..planning.memory.fromjob import check_global_batch, nvme_reading, plan_for_job
+from ..planning.memory.fromjob import SpeedInputs, check_global_batch, nvme_reading, plan_for_job
 from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.resolve import ResolvedJob, resolve_job
+from ..planning.speed.atlaunch import measured_links_note, predicted_step_line, speed_inputs_at_launch, speed_notes
 from ..planning.speed.spacing import work_lost_per_fault
 from ..spec.hostfile import Node
 from ..spec.job import LoadedJob
@@ -160,12 +161,14 @@ def memory_choice(
     compute_capability: float | None = None,
     nvme: dict[str, dict] | None = None,
     progress: Progress | None = None,
+    speed: SpeedInputs | None = None,
 ) -> tuple[MemoryPlan, dict]:
     """The planner's configuration for these nodes and its DeepSpeed config, or DoesNotFit with the numbers.
 
     ``compute_capability`` (the lowest preflight found) decides ``precision: auto``:
     bf16 from Ampere on, fp16 before. A job that insists on bf16 there is refused
     here, before anything starts, rather than by every rank after loading the model.
+    ``speed`` (the GPU kind and the measured links): the step-time model also chooses ZeRO's settings.
     """
     bf16 = bf16_supported_by(compute_capability)
     slots = [n.num_slots for n in nodes]
@@ -178,6 +181,7 @@ def memory_choice(
         bf16_supported=bf16,
         # Only nodes where preflight found zero.nvme_path usable report it; all must.
         nvme=nvme_reading(nvme) if nvme and len(nvme) == len(nodes) else None,
+        speed=speed,
     )
     if plan.nvme_step_s is not None and progress is not None:
         progress.note(
@@ -259,7 +263,20 @@ def prepare(
     if not report.ok:
         progress.preflight(report, final=True)
         require_preflight(report)
-    progress.note(measured_links_note(report.collective))
+    if job.spec.accelerator == "gpu":
+        # The model's inputs are measured now: ZeRO's settings (hpZ, buckets) are chosen on them.
+        speed, links_line = speed_inputs_at_launch(report.collective, report.gpu_name, len(nodes))
+        progress.note(links_line)
+        if speed is not None:
+            with phases.timed("speed_plan"):
+                memory, ds_config = memory_choice(
+                    inputs, nodes, gpu_mem, host_mem, capability, report.nvme, speed=speed
+                )
+            predicted = predicted_step_line(memory.speed)
+            for line in ([predicted] if predicted else []) + speed_notes(memory.speed):
+                progress.note(line)
+    else:
+        progress.note(measured_links_note(report.collective))
     plan = make_plan(
         job.spec,
         nodes,
@@ -284,19 +301,6 @@ def execute(prepared: Prepared, backend: Backend, progress: Progress | None = No
     prepared.phases.seconds["total_to_running"] = round(time.monotonic() - prepared.started_at, 3)
     progress.note(f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
     return started
-
-
-def measured_links_note(collective: dict | None) -> str:
-    """What the step-time model's links are at launch: the check's ZeRO-3 figures, or why there are none."""
-    from ..planning.speed.communication import Links
-
-    # The intra-node side a multi-node check does not measure plays no part in this line: unbounded.
-    links = Links.measured(collective, intra_bytes_per_s=float("inf"))
-    if links is None:
-        why = (collective or {}).get("reason") or "the collective check measured no all-gather/reduce-scatter"
-        return f"step-time links: not measured ({why}); the model needs --link-gbps (dzctl plan)"
-    latency = links.inter_latency_s if links.inter_bytes_per_s is not None else links.intra_latency_s
-    return f"step-time links: {links.source}, per-collective latency {(latency or 0.0) * 1e6:.0f} µs"
 
 
 def require_preflight(report) -> None:

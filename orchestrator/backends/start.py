@@ -148,6 +148,12 @@ def start_nodes(plan: LaunchPlan, pool: HostPool) -> tuple[list[int], dict[int, 
     return sorted(started), errors
 
 
+def record_plan(job: ResolvedJob) -> dict:
+    """The launch plan kept with the job, and beside it the predicted step that status and the view compare with."""
+    speed = job.memory.speed
+    return {**job.plan.to_dict(), **({"speed": speed.to_dict()} if speed is not None else {})}
+
+
 def start_job(
     job: ResolvedJob,
     files: dict[int, list[JobFile]],
@@ -174,7 +180,7 @@ def start_job(
         image=plan.image,
         hosts=hosts,
         spec=spec_record,
-        plan=plan.to_dict(),
+        plan=record_plan(job),
         ssh_config=ssh_config,
     )
     try:

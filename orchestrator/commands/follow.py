@@ -37,7 +37,9 @@ def new_watch(record: JobRecord) -> JobWatch:
     nodes = [NodeView(n["node_rank"], n["host"], n["slots"]) for n in record.plan["nodes"]]
     accelerator = record.spec.get("accelerator", "gpu") if isinstance(record.spec, dict) else "gpu"
     started = record.created or time.time()
-    return JobWatch(record.name, record.job_id, nodes, started_at=started, accelerator=accelerator)
+    return JobWatch(
+        record.name, record.job_id, nodes, started_at=started, accelerator=accelerator, speed=record.plan.get("speed")
+    )
 
 
 def follow_job(

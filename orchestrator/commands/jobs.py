@@ -17,6 +17,7 @@ from ..backends.slurm import backend as slurm_backend
 from ..backends.slurm.backend import is_slurm
 from ..errors import DzError, RuntimeFailure
 from ..observe.hosts import fetch_outputs, gather_status, progress_history, stop_nodes, stream_logs, tracker_locations
+from ..observe.lines import predicted_text, speed_warning
 from ..observe.status import JobStatus
 from ..observe.store import FINAL_STATES, JobRecord, JobStore
 from ..observe.watchstate import block_chart
@@ -231,6 +232,12 @@ def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> s
     collective = (status.preflight or {}).get("collective")
     if collective:
         lines.append(describe_collective(collective))
+    world = sum(len(r) for r in ranks.values()) or 1
+    predicted = predicted_text(status.speed, progress, world)
+    if predicted:
+        lines.append(f"plan: {predicted}")
+    if speed_warning(status.speed):
+        lines.append(speed_warning(status.speed))
     lines += restart_lines(status.restarts)
     return "\n".join(lines)
 

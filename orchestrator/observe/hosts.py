@@ -113,6 +113,7 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         progress_age_s=age,
         first_failure=first_failure(nodes, reasons, sequence, gang_stopped, details),
         preflight=record.preflight,
+        speed=record.plan.get("speed"),
     )
 
 

@@ -25,14 +25,43 @@ def global_batch_text(start: dict | None) -> str | None:
     return f"global batch {rows} rows ({how})"
 
 
+def predicted_text(speed: dict | None, step: dict | None, world_size: int) -> str | None:
+    """The plan's predicted rate beside the measured one: ``predicted 12,300 tok/s/GPU (compute-bound), measured …``.
+
+    The model predicts processed tokens (micro-batch × sequence length per GPU), so the
+    measured side is the processed rate where the trainer reports one (packing, padding).
+    """
+    if not speed or not speed.get("predicted") or not speed.get("tokens_per_s_per_gpu"):
+        return None
+    predicted = speed["tokens_per_s_per_gpu"]
+    text = f"predicted {predicted:,.0f} tok/s/GPU ({speed.get('bound')}-bound)"
+    step = step or {}
+    rate = step.get("processed_tokens_per_s")
+    if not rate and step.get("tokens_per_s"):
+        rate = step["tokens_per_s"] / (step.get("padding_efficiency") or 1.0)  # useful / (useful / processed)
+    if rate:
+        measured = rate / max(world_size, 1)
+        text += f", measured {measured:,.0f} ({measured / predicted - 1:+.0%})"
+    return text
+
+
+def speed_warning(speed: dict | None) -> str | None:
+    """The plan's communication-bound warning, with its predicted loss and fixes."""
+    return f"warning: {speed['warning']}" if speed and speed.get("warning") else None
+
+
 def event_line(event: dict, watch: JobWatch) -> str | None:
     kind = event.get("event")
     per = "GPU" if watch.accelerator == "gpu" else "rank"
     if kind == "start":
+        predicted = predicted_text(watch.speed, None, watch.world_size)
+        warning = speed_warning(watch.speed)
         return (
             f"start  {watch.job_id}: {watch.world_size} rank(s) on {len(watch.nodes)} node(s)"
             + (f", resuming at step {event['step']}" if event.get("step") else "")
             + (f", {global_batch_text(event)}" if global_batch_text(event) else "")
+            + (f"; {predicted}" if predicted else "")
+            + (f"\n{warning}" if warning else "")  # said once, where the run begins
         )
     if kind == "step":
         parts = [f"step {event.get('step')}/{event.get('max_steps')}"]

@@ -40,6 +40,8 @@ class JobStatus:
     preflight: dict | None = None
     # A supervised job (restart:/notify:): the supervisor's state, the restarts with cause and nodes replaced.
     restarts: dict | None = None
+    # The plan's predicted step (the record's plan["speed"]): status compares the measured rate with it.
+    speed: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .lines import global_batch_text, rate_text
+from .lines import global_batch_text, predicted_text, rate_text, speed_warning
 from .rankfailure import failure_lines
 from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 
@@ -67,6 +67,9 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
         # What the job is doing now; once it has ended, the model line or the failure says it.
         parts.append(Text(f"latest: {max(notes, key=lambda m: m.order).text}", style="dim", no_wrap=True,
                           overflow="ellipsis"))  # fmt: skip
+    warning = speed_warning(watch.speed)
+    if warning:  # the plan's own: the ranks cannot see that their network bounds them
+        parts.append(Text(warning, style="yellow"))
     parts.append(_messages(watch))
     return Group(*parts)
 
@@ -102,6 +105,9 @@ def _metrics(watch: JobWatch, last_step: dict | None, width: int) -> RenderableT
         row.append(f"processed {last_step['processed_tokens_per_s']:,.0f} tok/s")
     if last_step.get("padding_efficiency") is not None:
         row.append(f"padding efficiency {last_step['padding_efficiency']:.0%}")
+    predicted = predicted_text(watch.speed, last_step, watch.world_size)
+    if predicted:
+        row.append(predicted)
     return Group(*lines, *_flow(row, width))
 
 

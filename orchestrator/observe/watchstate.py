@@ -108,6 +108,7 @@ class JobWatch:
     started_at: float  # controller clock
     accelerator: str = "gpu"
     state: str = "starting"
+    speed: dict | None = None  # the plan's predicted step (the record's plan["speed"]), when it was predicted
     events: list[dict] = field(default_factory=list)
     messages: dict[str, Message] = field(default_factory=dict)
     first_failure: dict | None = None

@@ -203,6 +203,7 @@ class Facts:
     host_mem_bytes: int | None = None
     gpu_mem_mib: int | None = None  # the smallest of the GPUs the job uses
     gpu_compute_capability: float | None = None  # the lowest of the GPUs the job uses
+    gpu_name: str | None = None  # nvidia-smi's name of the GPUs the job uses; None if they differ
     nvme: dict | None = None  # zero.nvme_path's free space and bandwidths, when usable
 
 
@@ -665,6 +666,8 @@ def check_gpus(conn: Connection, ctx: Context, facts: Facts) -> list[Check]:
     used = [g for g in gpus if g.index in ctx.node.gpus]
     facts.gpu_mem_mib = min((g.memory_total_mib for g in used), default=None)
     facts.gpu_compute_capability = min((cap for g in used if (cap := g.compute_capability) is not None), default=None)
+    names = {g.name for g in used}
+    facts.gpu_name = names.pop() if len(names) == 1 else None  # the step-time model's GPU kind
     return [gpu_inventory_check(gpus, ctx.node.gpus, facts.driver_cuda)]
 
 

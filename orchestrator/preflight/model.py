@@ -72,6 +72,8 @@ class PreflightReport:
     host_mem_gib: dict[str, float] = field(default_factory=dict)
     # Per host, the lowest compute capability of the GPUs the job uses (precision: auto).
     gpu_compute_capability: dict[str, float] = field(default_factory=dict)
+    # Per host, nvidia-smi's name of the GPUs the job uses (the step-time model's GPU kind).
+    gpu_name: dict[str, str] = field(default_factory=dict)
     infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
     container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node
     # The collective check's figures (preflight/collective.py); None until it ran or was skipped.
@@ -101,6 +103,7 @@ class PreflightReport:
             "gpu_mem_gib": self.gpu_mem_gib,
             "host_mem_gib": self.host_mem_gib,
             "gpu_compute_capability": self.gpu_compute_capability,
+            "gpu_name": self.gpu_name,
             "infiniband": self.infiniband,
             "container_probe_s": self.container_probe_s,
             "collective": self.collective,

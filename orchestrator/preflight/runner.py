@@ -199,6 +199,7 @@ def run_preflight(
         gpu_compute_capability={
             h: f.gpu_compute_capability for h, f in facts.items() if f.gpu_compute_capability is not None
         },
+        gpu_name={h: f.gpu_name for h, f in facts.items() if f.gpu_name},
         infiniband={h: f.infiniband for h, f in facts.items() if f.infiniband},
         container_probe_s={h: round(f.container_probe_s, 3) for h, f in facts.items() if f.container_probe_s},
         nvme={h: f.nvme for h, f in facts.items() if f.nvme},

@@ -282,6 +282,7 @@ def gather_status(record: JobRecord) -> JobStatus:
         progress_age_s=age,
         first_failure=failure,
         preflight=record.preflight,
+        speed=record.plan.get("speed"),
     )
 
 

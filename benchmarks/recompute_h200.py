@@ -200,9 +200,11 @@ def main() -> int:
 
 
 # Kernel names -> the cost they belong to, first match wins (lower-case substrings). Liger's Triton kernels
-# (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) are named before the generic element-wise ones.
+# (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) and LoRA's dropout (its mask kernel forward, the
+# masked scale backward) are named before the generic element-wise ones.
 CATEGORIES = (
     ("ZeRO-3 collectives (NCCL)", ("nccl",)),
+    ("LoRA dropout", ("dropout", "masked_scale")),
     ("attention (cuDNN/flash SDPA)", ("sdpa", "fmha", "flash", "attention")),
     ("matmuls (GEMM)", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "wgmma")),
     ("optimizer + grad norm (multi-tensor)", ("adam", "multi_tensor")),

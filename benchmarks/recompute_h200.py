@@ -10,7 +10,8 @@ steps (``cuda.synchronize`` around each) and the peak allocated memory. An OOM i
 
 ``planning/speed/recompute.py`` takes its constants from a least-squares fit of these times to
 ``t/token = a · (1 + rho · N/L) + a · C / tokens`` (``fit`` below, run again on the committed JSON by
-``--refit``). With ``--lora``: the same over a PEFT LoRA model (r 16, the 7 projections, dropout 0).
+``--refit``). With ``--lora``: the same over a PEFT LoRA model (r 16, the 7 projections, ``--lora-dropout``, default 0).
+``--profile`` then profiles one more step of the first point that fitted (``profile_step``).
 
     python3 benchmarks/recompute_h200.py --layers 18 --out DIR            # GPU machine, about 3 min
     python3 benchmarks/recompute_h200.py --refit DIR/recompute.json       # the fit again, anywhere
@@ -148,7 +149,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--refit", type=Path, help="fit a recorded recompute.json again")
     parser.add_argument("--persistence", type=int, default=None, help="stage3_param_persistence_threshold")
-    parser.add_argument("--profile", action="store_true", help="after the grid, profile one step of its first point")
+    parser.add_argument("--profile", action="store_true", help="after the grid, profile one step of its first fit")
+    parser.add_argument(
+        "--first-fit", action="store_true", help="stop at the first point that fits (--micro 45,32: 45, else 32)"
+    )
     parser.add_argument("--tag", default="", help="suffix of the output files")
     args = parser.parse_args()
     if args.refit:
@@ -166,6 +170,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for micro in (int(x) for x in args.micro.split(",")):
         for n in ns:
+            if args.first_fit and any("median_step_s" in p for p in points):
+                break
             if time.monotonic() - began > args.budget_s:
                 points.append({"micro": micro, "checkpointed": n, "skipped": "budget"})
                 continue
@@ -187,28 +193,111 @@ def main() -> int:
             name = ("recompute-lora" if args.lora else "recompute") + args.tag + ".json"
             (args.out / name).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(summary.get("fit")), flush=True)
-    if args.profile:
-        profile_step(engine, cfg, points[0]["micro"], points[0]["checkpointed"], args)
+    fitted = [p for p in points if "median_step_s" in p]
+    if args.profile and fitted:
+        profile_step(engine, cfg, fitted[0], args)
     return 0
 
 
-def profile_step(engine, cfg, micro: int, n: int, args) -> None:
-    """One step under torch.profiler: the top costs by GPU and by CPU time, as text (the trace is too large)."""
+# Kernel names -> the cost they belong to, first match wins (lower-case substrings). Liger's Triton kernels
+# (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) and LoRA's dropout (its mask kernel forward, the
+# masked scale backward) are named before the generic element-wise ones.
+CATEGORIES = (
+    ("ZeRO-3 collectives (NCCL)", ("nccl",)),
+    ("LoRA dropout", ("dropout", "masked_scale")),
+    ("attention (cuDNN/flash SDPA)", ("sdpa", "fmha", "flash", "attention")),
+    ("matmuls (GEMM)", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "wgmma")),
+    ("optimizer + grad norm (multi-tensor)", ("adam", "multi_tensor")),
+    ("Liger kernels (norm, SwiGLU, RoPE, loss)", ("rms_norm", "swiglu", "rope", "cross_entropy", "element_mul")),
+    ("copies, casts, fills", ("memcpy", "memset", "copy", "fill")),
+    ("element-wise + reductions (aten)", ("elementwise", "reduce", "unrolled", "vectorized")),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((label for label, keys in CATEGORIES if any(k in name for k in keys)), "other kernels")
+
+
+def profile_step(engine, cfg, point: dict, args) -> None:
+    """One step under torch.profiler: the top costs by GPU and by CPU time, as text, and per cost as JSON.
+
+    The JSON has every kernel's time grouped by CATEGORIES, the GPU's idle time (the step's wall time
+    less the union of kernel intervals: where the GPU waits for the CPU) and the top kernels and ops, so
+    ``steady_report.py`` can give each cost's share of the step. The trace itself is too large to keep.
+    """
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from orchestrator.train.model import checkpointing
+
+    micro, n = point["micro"], point["checkpointed"]
+    checkpointing.checkpoint_first(engine.module, n)  # the grid's last point may have left another count
     ids = torch.randint(0, cfg["vocab_size"], (micro, args.seq), device="cuda")
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
         out = engine(input_ids=ids, labels=ids)
         engine.backward(out.loss)
         engine.step()
         torch.cuda.synchronize()
+        wall_s = time.perf_counter() - began
     averages = prof.key_averages()
-    text = [f"# one step, micro {micro}, {n} layers checkpointed, lora {args.lora}, persistence {args.persistence}"]
+    head = (
+        f"# one step, micro {micro}, {n} of {args.layers} layers checkpointed, lora {args.lora}, "
+        f"dropout {args.lora_dropout}, persistence {args.persistence}; wall {wall_s:.3f} s under the profiler, "
+        f"{point['median_step_s']} s unprofiled (median of the timed steps)"
+    )
+    text = [head]
     text.append(averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     text.append(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-    name = ("profile-lora" if args.lora else "profile") + args.tag + ".txt"
-    (args.out / name).write_text("\n\n".join(text) + "\n", encoding="utf-8")
+    name = ("profile-lora" if args.lora else "profile") + args.tag
+    (args.out / f"{name}.txt").write_text("\n\n".join(text) + "\n", encoding="utf-8")
+
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy_us, end_us = 0.0, float("-inf")
+    for start, end in spans:  # the union of kernel intervals, every stream together
+        if end > end_us:
+            busy_us += end - max(start, end_us)
+            end_us = end
+    by_category: dict[str, float] = {}
+    by_kernel: dict[str, list] = {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        by_category[category(e.name)] = by_category.get(category(e.name), 0.0) + us
+        entry = by_kernel.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    ops = [a for a in averages if a.device_type != DeviceType.CUDA]
+
+    def self_device_us(a) -> float:
+        return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)
+
+    ops.sort(key=self_device_us, reverse=True)
+    summary = {
+        "micro": micro, "checkpointed": n, "layers": args.layers, "seq": args.seq, "tokens": micro * args.seq,
+        "lora": args.lora, "lora_dropout": args.lora_dropout, "persistence": args.persistence,
+        "unprofiled_median_step_s": point["median_step_s"], "profiled_step_s": round(wall_s, 4),
+        "kernel_time_s": round(sum(e.time_range.end - e.time_range.start for e in kernels) / 1e6, 4),
+        "gpu_busy_s": round(busy_us / 1e6, 4), "gpu_idle_s": round(max(wall_s - busy_us / 1e6, 0.0), 4),
+        "categories_s": {k: round(v / 1e6, 4) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": k, "count": c, "s": round(us / 1e6, 4)}
+            for k, (c, us) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:30]
+        ],
+        "top_ops_by_self_gpu": [
+            {"name": a.key, "count": a.count, "self_gpu_s": round(self_device_us(a) / 1e6, 4),
+             "self_cpu_s": round(a.self_cpu_time_total / 1e6, 4)}
+            for a in ops[:30]
+        ],
+        "top_ops_by_self_cpu": [
+            {"name": a.key, "count": a.count, "self_cpu_s": round(a.self_cpu_time_total / 1e6, 4)}
+            for a in sorted(ops, key=lambda a: -a.self_cpu_time_total)[:30]
+        ],
+    }  # fmt: skip
+    (args.out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

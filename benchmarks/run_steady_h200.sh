@@ -1,0 +1,69 @@
+#!/bin/sh
+# Issue 29 on one H200: steady-state throughput of the three auto plans through `dzctl launch`, in
+# alternating order (A B C A B C ...) so launch-to-launch spread shows beside any difference, and one
+# profiled step of each plan before and after issue 29 (benchmarks/recompute_h200.py's raw ZeRO-3 loop,
+# which measured within 0.3% of launch in results/overhead-h200x1-20261204).
+#   A full-sft-R  full FT, 18 layers, SFT rows of benchmarks/sft_data.py, auto plan
+#   B full-syn-R  full FT, 18 layers, synthetic:random, auto plan
+#   C lora-R      LoRA r16 (7 projections), all 36 layers, synthetic:random, auto plan
+# 12 steps each, median of steps 5-12 (--warmup 4): the slow first steps of a call's first launches stay out.
+#   prof-full-before  micro 35 (the old auto on SFT rows), all 18 layers checkpointed
+#   prof-full-after   micro 4, 0 of 18 checkpointed (today's auto)
+#   prof-lora-before  lora.dropout 0.05, all 36 checkpointed, micro 45 (the old auto; 40 or 32 if 45 fails)
+#   prof-lora-after   dropout 0, micro 6, 6 of 36 checkpointed (today's auto)
+# TASKS names what runs, in order, e.g. TASKS="full-sft-1 full-syn-1 lora-1 full-sft-2 ...". A task is skipped
+# when less than its own limit is left of CALL_S (the device command's limit, less a margin), so the call
+# ends with its results. Results are tarred into $OUT after each task. Run from the root of a checkout
+# with the wheels of benchmarks/run_recompute_h200.sh in $WHEELS; the benchmarks and the product they
+# launch are this script's own checkout's (it may be a copy beside that root).
+set -u
+OUT=${OUT:-benchmarks/results/latest}
+WHEELS=${WHEELS:-.whl}
+CALL_S=${CALL_S:-520}
+TASKS=${TASKS:-full-sft-1 full-syn-1 lora-1 full-sft-2 full-syn-2 lora-2}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+RES=/tmp/steady-res
+mkdir -p "$OUT" "$RES"
+began=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || exit 1
+export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$HERE
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+save() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
+fits() {  # LIMIT_S: whether a task of that limit still ends inside CALL_S
+    [ $(($(date +%s) - began + $1)) -le "$CALL_S" ]
+}
+launch() {  # NAME LIMIT_S ARGS...: one configuration through useful_tokens_h200.py (plan + launch --follow)
+    name=$1 limit=$2; shift 2
+    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
+    t0=$(date +%s)
+    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --steps 12 --warmup 4 \
+        --budget-s 300 --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
+    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
+profile() {  # NAME LIMIT_S ARGS...: recompute_h200.py, one point, then one profiled step of it
+    name=$1 limit=$2; shift 2
+    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
+    t0=$(date +%s)
+    (cd "$HERE" && RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout "$limit" \
+        python3 benchmarks/recompute_h200.py "$@" --first-fit --profile --tag="-$name" --out "$RES") \
+        > "$RES/$name.log" 2>&1
+    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
+for task in $TASKS; do
+    case $task in
+        full-sft-*) launch "$task" 130 auto --layers 18 ;;
+        full-syn-*) launch "$task" 130 synthetic --layers 18 ;;
+        lora-*) launch "$task" 150 synthetic --set train.method=lora ;;
+        # Before: 1 warm-up + 1 timed step (each 8-20 s); after: 1 + 3 (about 1-2 s each).
+        prof-full-before) profile "$task" 130 --layers 18 --micro 35,32 --checkpointed all --steps 1 ;;
+        prof-full-after) profile "$task" 90 --layers 18 --micro 4 --checkpointed 0 --steps 3 ;;
+        prof-lora-before) profile "$task" 200 --lora --lora-dropout 0.05 --layers 36 --micro 45,40,32 \
+            --checkpointed all --steps 1 ;;
+        prof-lora-after) profile "$task" 100 --lora --layers 36 --micro 6 --checkpointed 6 --steps 3 ;;
+        *) echo "$task: unknown task" ;;
+    esac
+done
+echo "call: $(($(date +%s) - began)) s"
+exit 0

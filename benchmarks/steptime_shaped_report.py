@@ -123,6 +123,7 @@ def main() -> int:
             f"{links.inter_reduce_bytes_per_s / 1e6:.1f}, {links.inter_latency_s * 1e3:.1f} | {step.compute_s:.2f} | "
             f"{step.comm_s:.2f} | {step.step_s:.2f} | {measured:.2f} | {error:+.0%} | {step.bound} | {role} |"
         )
+    lines += ["", *counted_lines(records, rate, overlap)]
     predicted = [row for row in rows if row["role"] == "prediction"]
     within = sum(abs(row["error"]) <= TOLERANCE for row in predicted)
     lines += ["", f"Predictions within ±{TOLERANCE:.0%}: {within} of {len(predicted)}."]
@@ -136,6 +137,46 @@ def main() -> int:
     (args.results / f"{args.name}.md").write_text(text, encoding="utf-8")
     (args.results / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def counted_lines(records: list[dict], rate: float, overlap: float) -> list[str]:
+    """What DeepSpeed really moved (the worker's counter) beside what the model says it moves, per config.
+
+    Counted on rank 0 per timed step, by phase of the step (torch.distributed's all-gather and
+    reduce-scatter calls while the engine ran forward, backward, step); the model's figures are its
+    collectives for that config. Where they differ, the model's phase rule is what misses.
+    """
+    out = [
+        "Bytes per step, counted on rank 0 (calls; MB of whole tensors) against the model's collectives:",
+        "",
+        "| config | counted forward all-gather | counted backward all-gather | counted reduce-scatter | "
+        "model forward all-gather | model backward all-gather | model reduce-scatter |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    seen = set()
+    for r in records:
+        counts = r.get("collectives_per_step")
+        if not counts or r["config"] in seen:
+            continue
+        seen.add(r["config"])
+
+        def cell(phase: str, op: str, counts: dict = counts) -> str:
+            entry = counts.get(phase, {}).get(op)
+            return f"{entry['calls']:.0f}; {entry['bytes'] / 1e6:.1f}" if entry else "0; 0.0"
+
+        model = {c.name: c for c in prediction(r, rate, overlap).comm.collectives}
+
+        def modelled(*names: str, model: dict = model) -> str:
+            found = [model[n] for n in names if n in model]
+            return f"{sum(c.calls for c in found):.0f}; {sum(c.total_bytes for c in found) / 1e6:.1f}"
+
+        out.append(
+            f"| {r['config']} | {cell('forward', 'all_gather_into_tensor')} | "
+            f"{cell('backward', 'all_gather_into_tensor')} | {cell('backward', 'reduce_scatter_tensor')} | "
+            f"{modelled('forward all-gather', 'forward all-gather (hpZ copy)')} | {modelled('backward all-gather')} | "
+            f"{modelled('gradient reduce-scatter')} |"
+        )
+    return out if seen else []
 
 
 LOSS_TOLERANCE = 1e-4  # relative, per step: fp32 on CPU, the same data and seed; only the gather's source differs

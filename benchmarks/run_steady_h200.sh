@@ -7,6 +7,10 @@
 #   B full-syn-R  full FT, 18 layers, synthetic:random, auto plan
 #   C lora-R      LoRA r16 (7 projections), all 36 layers, synthetic:random, auto plan
 # 12 steps each, median of steps 5-12 (--warmup 4): the slow first steps of a call's first launches stay out.
+#   full-sft-g32-R, full-syn-g32-R, lora-g32-R  the same three with the global batch fixed at 32 rows
+#     (train.global_batch_size=32: 131,072 tokens, near the 35 rows a step of the old micro-35 plan took),
+#     so accumulation makes up for a small micro-batch and the optimizer step is paid once per 32 rows,
+#     as in a real job, instead of once per micro-batch. 7 steps, median of steps 4-7 (each 32 rows).
 #   prof-full-before  micro 35 (the old auto on SFT rows), all 18 layers checkpointed
 #   prof-full-after   micro 4, 0 of 18 checkpointed (today's auto)
 #   prof-lora-before  lora.dropout 0.05, all 36 checkpointed, micro 45 (the old auto; 40 or 32 if 45 fails)
@@ -38,7 +42,7 @@ launch() {  # NAME LIMIT_S ARGS...: one configuration through useful_tokens_h200
     name=$1 limit=$2; shift 2
     if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
     t0=$(date +%s)
-    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --steps 12 --warmup 4 \
+    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py --steps 12 --warmup 4 "$@" \
         --budget-s 300 --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
@@ -51,8 +55,12 @@ profile() {  # NAME LIMIT_S ARGS...: recompute_h200.py, one point, then one prof
         > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
+G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 for task in $TASKS; do
     case $task in
+        full-sft-g32-*) launch "$task" 160 auto --layers 18 $G32 ;;
+        full-syn-g32-*) launch "$task" 160 synthetic --layers 18 $G32 ;;
+        lora-g32-*) launch "$task" 230 synthetic --set train.method=lora $G32 ;;
         full-sft-*) launch "$task" 130 auto --layers 18 ;;
         full-syn-*) launch "$task" 130 synthetic --layers 18 ;;
         lora-*) launch "$task" 150 synthetic --set train.method=lora ;;

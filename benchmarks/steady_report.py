@@ -4,7 +4,7 @@ and each profile's three largest costs before and after.
     python3 benchmarks/steady_report.py benchmarks/results/steady-h200x1-20261204
 
 Launches: ``NAME/summary.json`` (``useful_tokens_h200.py``'s output; NAME is ``full-sft-R``, ``full-syn-R``
-or ``lora-R``, R the round). The call each ran in comes from ``console-callK.log``. Profiles:
+or ``lora-R``, R the round, or the same with ``-gN`` before ``-R`` when the global batch was fixed at N rows). The call each ran in comes from ``console-callK.log``. Profiles:
 ``profile*-prof-*.json`` (``recompute_h200.py --profile``): each cost's kernel time, and the GPU's idle
 time, as a share of the profiled step's wall time. Kernels on different streams can overlap, so the
 shares may add up to more than 100%.
@@ -46,13 +46,20 @@ def calls(folder: Path) -> dict[str, int]:
     return found
 
 
+def plan_label(plan: str) -> tuple[str, str, str, float]:
+    """(base plan, label, bar key, bar) of a launch's plan name: ``full-sft`` or ``full-sft-g32`` (32 rows a step)."""
+    base, _, fixed = plan.rpartition("-g") if re.search(r"-g\d+$", plan) else (plan, "", "")
+    label, key, bar = PLANS[base]
+    return base, label + (f", global batch {fixed} rows" if fixed else ""), key, bar
+
+
 def launches(folder: Path) -> list[dict]:
     call_of = calls(folder)
     rows = []
     for summary in folder.glob("*/summary.json"):
         name = summary.parent.name
         plan, _, repeat = name.rpartition("-")
-        if plan not in PLANS:
+        if re.sub(r"-g\d+$", "", plan) not in PLANS:
             continue
         result = json.loads(summary.read_text(encoding="utf-8"))["results"][0]
         if "error" in result:
@@ -64,14 +71,15 @@ def launches(folder: Path) -> list[dict]:
             {
                 "name": name, "plan": plan, "repeat": int(repeat), "call": call_of.get(name),
                 "micro": result["plan"]["micro_batch_size"], "checkpointed": result["plan"]["checkpointed_layers"],
-                "layers": result["plan"]["decoder_layers"], "tokens_per_s": result["useful_tokens_per_s_per_gpu"],
+                "layers": result["plan"]["decoder_layers"],
+                "accumulation": result["plan"]["ds_config"]["gradient_accumulation_steps"], "tokens_per_s": result["useful_tokens_per_s_per_gpu"],
                 "mfu": result["mfu"], "predicted": result["predicted_peak_gib"], "peak": peak,
                 "steps": f"{result['measured_steps'][0]}-{result['measured_steps'][-1]}",
                 "step_min": min(steps), "step_max": max(steps), "median_step_s": result["median_step_s"],
             }
         )  # fmt: skip
     order = list(PLANS)
-    return sorted(rows, key=lambda r: (r["repeat"], order.index(r["plan"])))
+    return sorted(rows, key=lambda r: (r["repeat"], order.index(plan_label(r["plan"])[0]), r["plan"]))
 
 
 def launch_tables(rows: list[dict]) -> str:
@@ -84,9 +92,11 @@ def launch_tables(rows: list[dict]) -> str:
         if "error" in r:
             out.append(f"| {r['name']} | | failed: {r['error']} |")
             continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r["plan"] != "lora" else f"({100 * r['mfu']:.1f}%)"
+        lora = plan_label(r["plan"])[0] == "lora"
+        mfu = f"({100 * r['mfu']:.1f}%)" if lora else f"{100 * r['mfu']:.1f}%"
         out.append(
-            f"| {r['name']} | {r['call']} | micro {r['micro']}, {r['checkpointed']}/{r['layers']} ckpt | "
+            f"| {r['name']} | {r['call']} | micro {r['micro']} × {r['accumulation']}, "
+            f"{r['checkpointed']}/{r['layers']} ckpt | "
             f"{r['tokens_per_s']:,.0f} | {mfu} | {r['predicted']:.2f} | {r['peak']:.2f} | "
             f"{100 * (r['predicted'] / r['peak'] - 1):+.1f}% | "
             f"{r['median_step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}, {r['steps']}) |"
@@ -97,7 +107,9 @@ def launch_tables(rows: list[dict]) -> str:
         "met by mean | met by worst | peak within ±5% |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for plan, (label, key, bar) in PLANS.items():
+    plans = sorted({r["plan"] for r in rows}, key=lambda p: (list(PLANS).index(plan_label(p)[0]), p))
+    for plan in plans:
+        _, label, key, bar = plan_label(plan)
         ok = [r for r in rows if r["plan"] == plan and "error" not in r]
         if not ok:
             out.append(f"| {label} | 0 |")

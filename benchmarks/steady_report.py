@@ -4,7 +4,8 @@ and each profile's three largest costs before and after.
     python3 benchmarks/steady_report.py benchmarks/results/steady-h200x1-20261204
 
 Launches: ``NAME/summary.json`` (``useful_tokens_h200.py``'s output; NAME is ``full-sft-R``, ``full-syn-R``
-or ``lora-R``, R the round, or the same with ``-gN`` before ``-R`` when the global batch was fixed at N rows). The call each ran in comes from ``console-callK.log``. Profiles:
+or ``lora-R``, R the round, or the same with ``-gN`` before ``-R`` when the global batch was fixed at N rows).
+The call each ran in comes from ``console-callK.log``. Profiles:
 ``profile*-prof-*.json`` (``recompute_h200.py --profile``): each cost's kernel time, and the GPU's idle
 time, as a share of the profiled step's wall time. Kernels on different streams can overlap, so the
 shares may add up to more than 100%.
@@ -72,7 +73,8 @@ def launches(folder: Path) -> list[dict]:
                 "name": name, "plan": plan, "repeat": int(repeat), "call": call_of.get(name),
                 "micro": result["plan"]["micro_batch_size"], "checkpointed": result["plan"]["checkpointed_layers"],
                 "layers": result["plan"]["decoder_layers"],
-                "accumulation": result["plan"]["ds_config"]["gradient_accumulation_steps"], "tokens_per_s": result["useful_tokens_per_s_per_gpu"],
+                "accumulation": result["plan"]["ds_config"]["gradient_accumulation_steps"],
+                "tokens_per_s": result["useful_tokens_per_s_per_gpu"],
                 "mfu": result["mfu"], "predicted": result["predicted_peak_gib"], "peak": peak,
                 "steps": f"{result['measured_steps'][0]}-{result['measured_steps'][-1]}",
                 "step_min": min(steps), "step_max": max(steps), "median_step_s": result["median_step_s"],

@@ -47,10 +47,15 @@ def calls(folder: Path) -> dict[str, int]:
     return found
 
 
+FIXED_BATCH = re.compile(r"-g(\d+)$")  # a plan name's suffix when the global batch was fixed: -g32 is 32 rows
+
+
 def plan_label(plan: str) -> tuple[str, str, str, float]:
     """(base plan, label, bar key, bar) of a launch's plan name: ``full-sft`` or ``full-sft-g32`` (32 rows a step)."""
-    base, _, fixed = plan.rpartition("-g") if re.search(r"-g\d+$", plan) else (plan, "", "")
+    fixed = FIXED_BATCH.search(plan)
+    base = plan[: fixed.start()] if fixed else plan
     label, key, bar = PLANS[base]
+    fixed = fixed.group(1) if fixed else ""
     return base, label + (f", global batch {fixed} rows" if fixed else ""), key, bar
 
 
@@ -60,7 +65,7 @@ def launches(folder: Path) -> list[dict]:
     for summary in folder.glob("*/summary.json"):
         name = summary.parent.name
         plan, _, repeat = name.rpartition("-")
-        if re.sub(r"-g\d+$", "", plan) not in PLANS:
+        if FIXED_BATCH.sub("", plan) not in PLANS:
             continue
         result = json.loads(summary.read_text(encoding="utf-8"))["results"][0]
         if "error" in result:

@@ -47,16 +47,21 @@ def calls(folder: Path) -> dict[str, int]:
     return found
 
 
-FIXED_BATCH = re.compile(r"-g(\d+)$")  # a plan name's suffix when the global batch was fixed: -g32 is 32 rows
+# A plan name's suffixes: -g32 when the global batch was fixed (32 rows), -module when the launch set
+# zero.fetch_unit=module (ZeRO-3's hooks on every sub-module, DeepSpeed's own way and dzctl's before it had the key).
+VARIANT = re.compile(r"(?:-g(?P<rows>\d+))?(?:-(?P<unit>module))?$")
 
 
 def plan_label(plan: str) -> tuple[str, str, str, float]:
-    """(base plan, label, bar key, bar) of a launch's plan name: ``full-sft`` or ``full-sft-g32`` (32 rows a step)."""
-    fixed = FIXED_BATCH.search(plan)
-    base = plan[: fixed.start()] if fixed else plan
+    """(base plan, label, bar key, bar) of a launch's plan name: ``full-sft``, ``full-sft-g32``, ``lora-g32-module``."""
+    variant = VARIANT.search(plan)
+    base = plan[: variant.start()]
     label, key, bar = PLANS[base]
-    fixed = fixed.group(1) if fixed else ""
-    return base, label + (f", global batch {fixed} rows" if fixed else ""), key, bar
+    if variant["rows"]:
+        label += f", global batch {variant['rows']} rows"
+    if variant["unit"]:
+        label += ", zero.fetch_unit module"
+    return base, label, key, bar
 
 
 def launches(folder: Path) -> list[dict]:
@@ -65,7 +70,7 @@ def launches(folder: Path) -> list[dict]:
     for summary in folder.glob("*/summary.json"):
         name = summary.parent.name
         plan, _, repeat = name.rpartition("-")
-        if FIXED_BATCH.sub("", plan) not in PLANS:
+        if VARIANT.sub("", plan) not in PLANS:
             continue
         result = json.loads(summary.read_text(encoding="utf-8"))["results"][0]
         if "error" in result:

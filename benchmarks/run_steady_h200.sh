@@ -62,8 +62,10 @@ G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 for task in $TASKS; do
     # -module- in a launch task's name: the same launch with zero.fetch_unit=module (DeepSpeed's hooks on every
     # sub-module) instead of the default layer, e.g. lora-g32-module-1.
+    # -nockpt- in it: with train.gradient_checkpointing=false (the planner then picks the micro-batch alone).
     unit=""
     case $task in *-module-*) unit="--set zero.fetch_unit=module" ;; esac
+    case $task in *-nockpt-*) unit="$unit --set train.gradient_checkpointing=false" ;; esac
     case $task in
         full-sft-g32-*) launch "$task" 160 auto --layers 18 $G32 $unit ;;
         full-syn-g32-*) launch "$task" 160 synthetic --layers 18 $G32 $unit ;;

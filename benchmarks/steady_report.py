@@ -49,7 +49,8 @@ def calls(folder: Path) -> dict[str, int]:
 
 # A plan name's suffixes: -g32 when the global batch was fixed (32 rows), -module when the launch set
 # zero.fetch_unit=module (ZeRO-3's hooks on every sub-module, DeepSpeed's own way and dzctl's before it had the key).
-VARIANT = re.compile(r"(?:-g(?P<rows>\d+))?(?:-(?P<unit>module))?$")
+# -nockpt when it set train.gradient_checkpointing=false.
+VARIANT = re.compile(r"(?:-g(?P<rows>\d+))?(?:-(?P<ckpt>nockpt))?(?:-(?P<unit>module))?$")
 
 
 def plan_label(plan: str) -> tuple[str, str, str, float]:
@@ -59,6 +60,8 @@ def plan_label(plan: str) -> tuple[str, str, str, float]:
     label, key, bar = PLANS[base]
     if variant["rows"]:
         label += f", global batch {variant['rows']} rows"
+    if variant["ckpt"]:
+        label += ", gradient_checkpointing false"
     if variant["unit"]:
         label += ", zero.fetch_unit module"
     return base, label, key, bar

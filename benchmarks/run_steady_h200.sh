@@ -11,13 +11,12 @@
 #     (train.global_batch_size=32: 131,072 tokens, near the 35 rows a step of the old micro-35 plan took),
 #     so accumulation makes up for a small micro-batch and the optimizer step is paid once per 32 rows,
 #     as in a real job, instead of once per micro-batch. 7 steps, median of steps 4-7 (each 32 rows).
-#   NAME-module-R (any launch task above, e.g. lora-g32-module-1)  the same launch with zero.fetch_unit=module:
-#     ZeRO-3's hooks on every sub-module, as before dzctl had the key, against the default layer
+#   NAME-nockpt-R (any launch task above, e.g. lora-g32-nockpt-1)  the same launch with
+#     train.gradient_checkpointing=false (the planner then picks the micro-batch alone)
 #   prof-full-before  micro 35 (the old auto on SFT rows), all 18 layers checkpointed
 #   prof-full-after   micro 4, 0 of 18 checkpointed (today's auto)
 #   prof-lora-before  lora.dropout 0.05, all 36 checkpointed, micro 45 (the old auto; 40 or 32 if 45 fails)
 #   prof-lora-after   dropout 0, micro 6, 6 of 36 checkpointed (the auto plan at accumulation 1)
-#   prof-lora-g32-module, prof-lora-g32-layer  the g32 LoRA plan (micro 8, 14 of 36), per sub-module / per layer
 # TASKS names what runs, in order, e.g. TASKS="full-sft-1 full-syn-1 lora-1 full-sft-2 ...". A task is skipped
 # when less than its own limit is left of CALL_S (the device command's limit, less a margin), so the call
 # ends with its results. Results are tarred into $OUT after each task. Run from the root of a checkout
@@ -60,29 +59,21 @@ profile() {  # NAME LIMIT_S ARGS...: recompute_h200.py, one point, then one prof
 }
 G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 for task in $TASKS; do
-    # -module- in a launch task's name: the same launch with zero.fetch_unit=module (DeepSpeed's hooks on every
-    # sub-module) instead of the default layer, e.g. lora-g32-module-1.
-    # -nockpt- in it: with train.gradient_checkpointing=false (the planner then picks the micro-batch alone).
-    unit=""
-    case $task in *-module-*) unit="--set zero.fetch_unit=module" ;; esac
-    case $task in *-nockpt-*) unit="$unit --set train.gradient_checkpointing=false" ;; esac
+    extra=""  # -nockpt- in the name: checkpointing off
+    case $task in *-nockpt-*) extra="--set train.gradient_checkpointing=false" ;; esac
     case $task in
-        full-sft-g32-*) launch "$task" 160 auto --layers 18 $G32 $unit ;;
-        full-syn-g32-*) launch "$task" 160 synthetic --layers 18 $G32 $unit ;;
-        lora-g32-*) launch "$task" 230 synthetic --set train.method=lora $G32 $unit ;;
-        full-sft-*) launch "$task" 130 auto --layers 18 $unit ;;
-        full-syn-*) launch "$task" 130 synthetic --layers 18 $unit ;;
-        lora-*) launch "$task" 150 synthetic --set train.method=lora $unit ;;
+        full-sft-g32-*) launch "$task" 160 auto --layers 18 $G32 $extra ;;
+        full-syn-g32-*) launch "$task" 160 synthetic --layers 18 $G32 $extra ;;
+        lora-g32-*) launch "$task" 230 synthetic --set train.method=lora $G32 $extra ;;
+        full-sft-*) launch "$task" 130 auto --layers 18 $extra ;;
+        full-syn-*) launch "$task" 130 synthetic --layers 18 $extra ;;
+        lora-*) launch "$task" 150 synthetic --set train.method=lora $extra ;;
         # Before: 1 warm-up + 1 timed step (each 8-20 s); after: 1 + 3 (about 1-2 s each).
         prof-full-before) profile "$task" 130 --layers 18 --micro 35,32 --checkpointed all --steps 1 ;;
         prof-full-after) profile "$task" 90 --layers 18 --micro 4 --checkpointed 0 --steps 3 ;;
         prof-lora-before) profile "$task" 200 --lora --lora-dropout 0.05 --layers 36 --micro 45,40,32 \
             --checkpointed all --steps 1 ;;
         prof-lora-after) profile "$task" 100 --lora --layers 36 --micro 6 --checkpointed 6 --steps 3 ;;
-        # The g32 LoRA plan (micro 8, 14 of 36 checkpointed), hooks per sub-module and per layer.
-        prof-lora-g32-module) profile "$task" 110 --lora --layers 36 --micro 8 --checkpointed 14 --steps 3 ;;
-        prof-lora-g32-layer) profile "$task" 110 --lora --layers 36 --micro 8 --checkpointed 14 --steps 3 \
-            --fetch-unit layer ;;
         *) echo "$task: unknown task" ;;
     esac
 done

@@ -48,7 +48,7 @@ def calls(folder: Path) -> dict[str, int]:
 
 
 # A plan name's suffixes: -g32 when the global batch was fixed (32 rows), -module when the launch set
-# zero.fetch_unit=module (a key that existed only at 8459aaa, whose default was layer: results/fetchunit-h200x1-20261204).
+# zero.fetch_unit=module (a key that existed only at 8459aaa, default layer: results/fetchunit-h200x1-20261204).
 # -nockpt when it set train.gradient_checkpointing=false.
 VARIANT = re.compile(r"(?:-g(?P<rows>\d+))?(?:-(?P<ckpt>nockpt))?(?:-(?P<unit>module))?$")
 

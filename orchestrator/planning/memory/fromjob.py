@@ -228,6 +228,7 @@ def plan_for_job(
             fixed_config=fixed,
             lora=lora_shape,
             micro_auto=allowed.micro_batch_size is None,
+            checkpointing_auto=allowed.gradient_checkpointing is None,
         )
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
             spec = spec.model_copy(

@@ -9,7 +9,8 @@
 T = tokens per GPU per micro-step (micro-batch × seq_len for packed rows), F = training
 FLOPs per token (ModelShape.flops_per_token: 6·(params − input embedding) + attention),
 peak = the GPU kind's dense bf16 peak, MFU = the model-FLOP utilisation measured on that
-kind for that loss path (``MFU_MEASURED``; ``DEFAULT_MFU`` elsewhere). With
+kind for that loss path and method (``MFU_MEASURED``; ``DEFAULT_MFU`` elsewhere), scaled from
+the measured plan to this one by the recompute cost model (``recompute.py``). With
 ``overlap_comm`` DeepSpeed runs the prefetched all-gathers and the reduce-scatters on
 their own stream beside the compute, so the longer of the two sets the pace; the first
 gather of the forward and the last reduce of the backward have nothing to hide behind.
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..shape import ModelShape
+from . import recompute
 from .communication import (
     CommTime,
     Layout,
@@ -57,19 +59,45 @@ GPU_KINDS: dict[str, GpuKind] = {
 }
 
 
-# Model-FLOP utilisation of compute alone (ZeRO-3 on ONE GPU: no collective leaves it), by loss
-# path, from benchmarks/results/useful-tokens-h200x1-20261201 (18 of Qwen3-8B's 36 layers,
-# seq 4096, bf16, full checkpointing, micro-batch 36): "liger" is its synthetic full-row run
-# (488.2 TFLOP/s, 49.4 %). "none"/"chunked" (no Liger kernels): the 2×H200 trainer run with
-# micro-batch 6 (34.8 %, DESIGN §5; its NVLink traffic is under 3 % of that step). H100: the
-# same die as H200, taken as equal.
-MFU_MEASURED: dict[tuple[str, str], float] = {
-    ("H200", "liger"): 0.494,
-    ("H200", "none"): 0.348,
-    ("H200", "chunked"): 0.348,
-    ("H100", "liger"): 0.494,
-    ("H100", "none"): 0.348,
-    ("H100", "chunked"): 0.348,
+@dataclass(frozen=True)
+class MeasuredMfu:
+    """A model-FLOP utilisation measured on one GPU, and the plan it was measured at.
+
+    A plan with another micro-batch or checkpointed-layer count gets the MFU scaled by the recompute
+    cost model (``recompute.cost_per_token``, the one the planner ranks candidates with): more layers
+    recomputed, or a micro-batch too small to cover the fixed cost of a micro-step, lower it. Without a
+    recorded plan (``micro_batch_size`` None), the figure is used as it is.
+    """
+
+    mfu: float
+    method: str = "full"  # whose recompute costs scale it: "full" or "lora"
+    micro_batch_size: int | None = None
+    checkpointed: int = 0
+    num_layers: int = 0
+    seq_len: int = 0
+    source: str = ""
+
+
+# Model-FLOP utilisation of compute alone (ZeRO-3 on ONE GPU: no collective leaves it), by loss path
+# and method, FLOPs counted as ModelShape.flops_per_token does (6 N + attention, LoRA too). "liger":
+# the auto plans of issue 29 through dzctl launch on one H200 (benchmarks/results/
+# steady-h200x1-20261204-g32: Qwen3-8B layer shapes, seq 4096, bf16, global batch 32 rows, mean of the
+# launches): full fine-tuning on synthetic:random rows, 18 layers, micro 4 x 8, none checkpointed,
+# 60.1 %; LoRA r16 on the 7 projections, 36 layers, micro 8 x 4, 14 checkpointed, 62.6 %. "none"/
+# "chunked" (no Liger kernels): the 2xH200 trainer run with micro-batch 6 (34.8 %, DESIGN section 5;
+# its NVLink traffic is under 3 % of that step), plan not recorded. H100: the same die as H200.
+_LIGER_FULL = MeasuredMfu(0.601, "full", 4, 0, 18, 4096, "H200, full FT micro 4, 0/18 checkpointed")
+_LIGER_LORA = MeasuredMfu(0.626, "lora", 8, 14, 36, 4096, "H200, LoRA micro 8, 14/36 checkpointed")
+_NO_LIGER = MeasuredMfu(0.348, source="2xH200 trainer run, micro 6")
+MFU_MEASURED: dict[tuple[str, str, str], MeasuredMfu] = {
+    (kind, loss, method): point
+    for kind in ("H200", "H100")
+    for (loss, method), point in {
+        ("liger", "full"): _LIGER_FULL,
+        ("liger", "lora"): _LIGER_LORA,
+        ("none", "full"): _NO_LIGER,
+        ("chunked", "full"): _NO_LIGER,
+    }.items()
 }
 # For kinds with no measurement here: a stated default, not a measurement (large dense
 # training on A100 commonly reports 40–50 % MFU; the lower end, as a bound).
@@ -90,12 +118,41 @@ def gpu_kind(name: str) -> GpuKind | None:
     return None
 
 
-def mfu_for(kind: GpuKind, loss_path: str) -> tuple[float, str]:
-    """The MFU used for this kind and loss path, and where it comes from."""
-    value = MFU_MEASURED.get((kind.name, loss_path))
-    if value is not None:
-        return value, f"measured ({kind.name}, loss {loss_path})"
-    return DEFAULT_MFU, f"stated default (no measurement for {kind.name})"
+@dataclass(frozen=True)
+class ComputePlan:
+    """What of a plan the compute rate depends on, besides the GPU kind and the loss path."""
+
+    method: str = "full"
+    micro_batch_size: int | None = None  # None: the measured MFU as it is
+    checkpointed: int = 0
+    num_layers: int = 0
+    seq_len: int = 0
+
+
+def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) -> tuple[float, str]:
+    """The MFU used for this kind, loss path and plan, and where it comes from.
+
+    A method without a measurement of its own takes full fine-tuning's figure, as it is.
+    """
+    point = MFU_MEASURED.get((kind.name, loss_path, plan.method))
+    if point is None:
+        point = MFU_MEASURED.get((kind.name, loss_path, "full"))
+        if point is None:
+            return DEFAULT_MFU, f"stated default (no measurement for {kind.name})"
+        return point.mfu, f"measured ({kind.name}, loss {loss_path}, full fine-tuning's: {point.source})"
+    where = f"measured ({kind.name}, loss {loss_path}: {point.source})"
+    if point.micro_batch_size is None or plan.micro_batch_size is None:
+        return point.mfu, where
+    costs = recompute.costs_for(point.method)
+    at_point = recompute.cost_per_token(
+        point.micro_batch_size, point.seq_len, point.checkpointed, point.num_layers, costs
+    )
+    here = recompute.cost_per_token(plan.micro_batch_size, plan.seq_len, plan.checkpointed, plan.num_layers, costs)
+    if abs(here / at_point - 1) < 1e-9:
+        return point.mfu, where
+    return point.mfu * at_point / here, f"{where}, scaled by the recompute model to micro {plan.micro_batch_size}, " + (
+        f"{plan.checkpointed}/{plan.num_layers} checkpointed"
+    )
 
 
 @dataclass(frozen=True)
@@ -212,9 +269,9 @@ def module_blocks(shape: ModelShape, persistence_threshold: int) -> list[list[tu
     return blocks
 
 
-def compute_rate(kind: GpuKind, loss_path: str) -> float:
-    """FLOP/s one GPU of this kind sustains on the loss path: MFU × peak."""
-    return mfu_for(kind, loss_path)[0] * kind.peak_flops
+def compute_rate(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) -> float:
+    """FLOP/s one GPU of this kind sustains on the loss path and plan: MFU × peak."""
+    return mfu_for(kind, loss_path, plan)[0] * kind.peak_flops
 
 
 def break_even_tokens(step: StepTime) -> int:

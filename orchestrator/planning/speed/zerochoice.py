@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..memory.estimate import Buckets, LoraShape, estimate
+from ..memory.estimate import Buckets, Choice, LoraShape, estimate
 from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from ..shape import ModelShape
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
-from .steptime import GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
+from .steptime import ComputePlan, GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
 
 # Bucket sizes tried on multi-node jobs, as multiples of the hidden²-sized default: fewer,
 # larger reduce-scatters and gathers pay the per-collective latency fewer times; 4× costs
@@ -94,10 +94,14 @@ def choose_zero(
     fixed_config: dict[str, Any],
     lora: LoraShape | None,
     micro_auto: bool = False,
+    checkpointing_auto: bool = False,
 ) -> MemoryPlan:
     """The plan with hpZ and buckets chosen by the step-time model, and its ``speed`` filled in.
 
     ``fixed_config``: the user's ``zero.config`` merged with ``zero.overrides`` (what they force).
+    ``micro_auto``/``checkpointing_auto``: the spec leaves the micro-batch / the checkpointed layer
+    count to the planner, so a setting that needs memory (hpZ's copy, larger buckets) may take a
+    smaller micro-batch or recompute more layers; the step-time model weighs both.
     """
     slots = plan.hardware.slots_per_node
     layout = Layout(gpus_per_node=max(slots), nodes=len(slots))
@@ -124,13 +128,12 @@ def choose_zero(
             f"offload {plan.choice.offload}: its PCIe traffic and the CPU optimizer step are not in this "
             "prediction (it is a lower bound on the step time)"
         )
-    rate = compute_rate(gpu, plan.fused_loss)
-    mfu, mfu_source = mfu_for(gpu, plan.fused_loss)
     p = 2 if plan.precision in ("bf16", "fp16") else 4
     grad_numels = _trained_numels(shape, lora)
 
-    def run(hpz: int, buckets: Buckets, micro: int) -> StepTime:
+    def run(hpz: int, buckets: Buckets, candidate: MemoryPlan) -> StepTime:
         zero = ZeroSettings(buckets.reduce, buckets.prefetch, buckets.persistence, hpz)
+        micro = candidate.choice.micro_batch_size
         return predict(
             shape,
             tokens=micro * plan.seq_len,
@@ -138,7 +141,7 @@ def choose_zero(
             layout=layout,
             zero=zero,
             links=links,
-            flops_per_s=rate,
+            flops_per_s=compute_rate(gpu, plan.fused_loss, _compute_plan(candidate)),
             param_bytes=p,
             grad_bytes=p,
             grad_numels=grad_numels,
@@ -165,14 +168,14 @@ def choose_zero(
     # With micro-batch auto, a setting that needs memory (hpZ, larger buckets) may take a smaller
     # micro-batch: the largest that still fits is tried, and compared per token.
     micro_options = _micro_options(plan, micro_auto)
-    plain = run(1 if user_hpz is None else user_hpz, _buckets(default, 1, user_reduce, user_prefetch), planned_micro)
+    plain = run(1 if user_hpz is None else user_hpz, _buckets(default, 1, user_reduce, user_prefetch), plan)
     best: tuple[float, int, Buckets, StepTime, MemoryPlan] | None = None
     hpz_fits = False
     for hpz in hpz_options:
         for m in multiples:
             buckets = _buckets(default, m, user_reduce, user_prefetch)
             for micro in micro_options:
-                candidate = _with_settings(plan, shape, hpz, buckets, lora, micro)
+                candidate = _with_settings(plan, shape, hpz, buckets, lora, micro, more_layers=checkpointing_auto)
                 if candidate is not None:
                     break
             if candidate is None:
@@ -180,7 +183,7 @@ def choose_zero(
                     notes.append(f"hpZ not chosen: its secondary copy does not fit ({_hpz_gib(shape, hpz, p)} GiB/GPU)")
                 continue
             hpz_fits = hpz_fits or hpz > 1
-            step = run(hpz, buckets, micro)
+            step = run(hpz, buckets, candidate)
             per_token = step.step_s / step.tokens
             # Faster per token by 1 %, or the simpler setting stays: the model is no finer than that.
             if best is None or per_token < best[0] * 0.99:
@@ -188,6 +191,7 @@ def choose_zero(
     if best is None:  # not even the plan's own settings re-fit: keep the plan as it was
         return replace(plan, speed=SpeedPlan(step=plain, plain=plain, gpu=gpu.name, notes=tuple(notes)))
     _, hpz, buckets, step, chosen = best
+    mfu, mfu_source = mfu_for(gpu, plan.fused_loss, _compute_plan(chosen))
     if hpz > 1 and user_hpz is None:
         moved = chosen.choice.micro_batch_size != planned_micro
         notes.append(
@@ -229,6 +233,18 @@ def choose_zero(
     return replace(chosen, speed=speed)
 
 
+def _compute_plan(plan: MemoryPlan) -> ComputePlan:
+    """The plan's micro-batch and checkpointed layers, which the measured MFU is scaled to."""
+    layers = plan.estimate.num_layers
+    return ComputePlan(
+        method=plan.estimate.method,
+        micro_batch_size=plan.choice.micro_batch_size,
+        checkpointed=plan.choice.layers_checkpointed(layers),
+        num_layers=layers,
+        seq_len=plan.seq_len,
+    )
+
+
 def _buckets(default: Buckets, m: int, reduce: int | None, prefetch: int | None) -> Buckets:
     return Buckets(
         reduce=reduce if reduce else default.reduce * m,
@@ -258,26 +274,36 @@ def _with_settings(
     micro: int,
     *,
     every_layer: bool = False,
+    more_layers: bool = False,
 ) -> MemoryPlan | None:
     """The plan re-estimated with these settings, or None when that no longer fits.
 
     ``every_layer``: checkpoint all layers where the plan checkpoints some (a larger micro-batch may
-    need more of them recomputed than the plan's own micro-batch did)."""
+    need more of them recomputed than the plan's own micro-batch did). ``more_layers``: where the
+    plan's own count no longer fits, the fewest more checkpointed layers that do (the count is auto)."""
+    layers = plan.estimate.num_layers
     choice = replace(plan.choice, micro_batch_size=micro)
     if every_layer and choice.gradient_checkpointing:
         choice = replace(choice, checkpointed_layers=None)
-    est = estimate(
-        shape,
-        choice,
-        seq_len=plan.seq_len,
-        precision=plan.precision,
-        world_size=plan.world_size,
-        buckets=buckets,
-        fused_loss=plan.fused_loss,
-        lora=lora if plan.estimate.method == "lora" else None,
-        hpz_partition_size=hpz,
-    )
-    if not fits_hardware(est, plan.hardware, plan.accelerator)[0]:
+    counts = [choice]
+    if more_layers and not every_layer:
+        first = choice.layers_checkpointed(layers)
+        counts += [Choice.with_layers(micro, n, layers, choice.offload) for n in range(first + 1, layers + 1)]
+    for choice in counts:
+        est = estimate(
+            shape,
+            choice,
+            seq_len=plan.seq_len,
+            precision=plan.precision,
+            world_size=plan.world_size,
+            buckets=buckets,
+            fused_loss=plan.fused_loss,
+            lora=lora if plan.estimate.method == "lora" else None,
+            hpz_partition_size=hpz,
+        )
+        if fits_hardware(est, plan.hardware, plan.accelerator)[0]:
+            break
+    else:
         return None
     accumulation = plan.gradient_accumulation_steps
     if plan.global_batch_key is not None:  # the spec fixed the global batch: accumulation makes up for the micro-batch

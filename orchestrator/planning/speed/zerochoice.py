@@ -285,14 +285,14 @@ def _with_settings(
     choice = replace(plan.choice, micro_batch_size=micro)
     if every_layer and choice.gradient_checkpointing:
         choice = replace(choice, checkpointed_layers=None)
-    counts = [choice]
+    options = [choice]
     if more_layers and not every_layer:
         first = choice.layers_checkpointed(layers)
-        counts += [Choice.with_layers(micro, n, layers, choice.offload) for n in range(first + 1, layers + 1)]
-    for choice in counts:
+        options += [Choice.with_layers(micro, n, layers, choice.offload) for n in range(first + 1, layers + 1)]
+    for option in options:  # fewest checkpointed layers first: the first that fits
         est = estimate(
             shape,
-            choice,
+            option,
             seq_len=plan.seq_len,
             precision=plan.precision,
             world_size=plan.world_size,

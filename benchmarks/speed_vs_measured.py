@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 TOLERANCE = 0.15
 REPO = Path(__file__).resolve().parents[1]
@@ -48,30 +49,51 @@ def one_h200_launches(results: Path) -> list[tuple[str, dict]]:
     return found
 
 
+class RecordedPlan(NamedTuple):
+    """What a launch's summary recorded of its plan (the 20261201 runs predate the layer counts: 18, all or none)."""
+
+    method: str
+    micro: int
+    accumulation: int
+    checkpointed: int
+    layers: int
+
+    @classmethod
+    def of(cls, run: dict) -> RecordedPlan:
+        plan = run["plan"]
+        layers = plan.get("decoder_layers", 18)
+        return cls(
+            method="lora" if "train.method=lora" in run.get("overrides", []) else "full",
+            micro=plan["micro_batch_size"],
+            accumulation=plan.get("ds_config", {}).get("gradient_accumulation_steps", 1),
+            checkpointed=plan.get("checkpointed_layers", layers if plan["gradient_checkpointing"] else 0),
+            layers=layers,
+        )
+
+    def words(self) -> str:
+        return f"micro {self.micro} × {self.accumulation}, {self.checkpointed}/{self.layers} ckpt"
+
+
 def predicted_and_measured(run: dict) -> tuple[float, float, str]:
     """(predicted, measured) seconds of one optimizer step, and the method: today's model, as launch predicts."""
+    from orchestrator.planning.dsconfig import bucket_sizes
     from orchestrator.planning.shape import CATALOGUE, shape_from_config
     from orchestrator.planning.speed.communication import Layout, Links, ZeroSettings
     from orchestrator.planning.speed.steptime import GPU_KINDS, ComputePlan, compute_rate, predict
 
-    plan = run["plan"]
-    method = "lora" if "train.method=lora" in run.get("overrides", []) else "full"
-    layers = plan.get("decoder_layers", 18)
-    checkpointed = plan.get("checkpointed_layers", layers if plan["gradient_checkpointing"] else 0)
-    accumulation = plan.get("ds_config", {}).get("gradient_accumulation_steps", 1)
-    shape = shape_from_config(
-        {**CATALOGUE["Qwen/Qwen3-8B"], "num_hidden_layers": layers}, name=f"Qwen3-8B-{layers}", source="catalogue"
-    )
-    micro = plan["micro_batch_size"]
+    plan = RecordedPlan.of(run)
+    config = {**CATALOGUE["Qwen/Qwen3-8B"], "num_hidden_layers": plan.layers}
+    shape = shape_from_config(config, name=f"Qwen3-8B-{plan.layers}", source="catalogue")
     h200 = GPU_KINDS["H200"]
+    compute = ComputePlan(plan.method, plan.micro, plan.checkpointed, plan.layers, SEQ)
     step = predict(
         shape,
-        tokens=micro * SEQ,
+        tokens=plan.micro * SEQ,
         seq_len=SEQ,
         layout=Layout(1, 1),
-        zero=ZeroSettings(reduce_bucket=4096**2, prefetch_bucket=int(0.9 * 4096**2), persistence_threshold=40960),
+        zero=ZeroSettings(*bucket_sizes(config["hidden_size"])),
         links=Links(None, h200.intra_bytes_per_s, "none"),
-        flops_per_s=compute_rate(h200, plan["fused_loss"], ComputePlan(method, micro, checkpointed, layers, SEQ)),
+        flops_per_s=compute_rate(h200, run["plan"]["fused_loss"], compute),
         param_bytes=2,
         grad_bytes=2,
     )
@@ -79,7 +101,7 @@ def predicted_and_measured(run: dict) -> tuple[float, float, str]:
     measured = run.get("median_step_s") or statistics.median(
         s["step_time_s"] for s in run["steps"] if s["event"] == "step" and s["step"] >= 3
     )
-    return step.step_s * accumulation, measured, method
+    return step.step_s * plan.accumulation, measured, plan.method
 
 
 def print_model_table(results: Path) -> None:
@@ -88,13 +110,9 @@ def print_model_table(results: Path) -> None:
     errors = []
     for name, run in one_h200_launches(results):
         predicted, measured, method = predicted_and_measured(run)
-        plan = run["plan"]
-        layers = plan.get("decoder_layers", 18)
-        checkpointed = plan.get("checkpointed_layers", layers if plan["gradient_checkpointing"] else 0)
-        accumulation = plan.get("ds_config", {}).get("gradient_accumulation_steps", 1)
         errors.append((method, predicted / measured - 1))
         print(
-            f"| {name} | {method} | micro {plan['micro_batch_size']} × {accumulation}, {checkpointed}/{layers} ckpt | "
+            f"| {name} | {method} | {RecordedPlan.of(run).words()} | "
             f"{predicted:.3f} | {measured:.3f} | {100 * errors[-1][1]:+.1f}% |"
         )
     for method in ("full", "lora"):
@@ -124,12 +142,9 @@ def rows(folder: Path) -> list[dict]:
         speed = predicted_speed(log) if log.exists() else None
         if "error" in result or not speed or not speed.get("predicted"):
             continue
-        plan = result["plan"]
         found.append(
             {
-                "folder": folder.name, "run": summary.parent.name,
-                "plan": f"micro {plan['micro_batch_size']} × {plan['ds_config']['gradient_accumulation_steps']}, "
-                f"{plan['checkpointed_layers']}/{plan['decoder_layers']} ckpt",
+                "folder": folder.name, "run": summary.parent.name, "plan": RecordedPlan.of(result).words(),
                 "predicted": speed["tokens_per_s_per_gpu"], "mfu_used": speed["mfu"],
                 "measured": result["processed_tokens_per_s_per_gpu"], "measured_mfu": result["mfu"],
             }

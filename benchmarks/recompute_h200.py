@@ -99,6 +99,10 @@ def build(args):
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    if args.fetch_unit == "layer":  # as the trainer does for zero.fetch_unit: layer
+        from orchestrator.train.model import fetchunit
+
+        print(f"fetch unit: layer ({fetchunit.fetch_by_layer(model)} leaf modules)", flush=True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, model_parameters=trainable)
@@ -150,6 +154,9 @@ def main() -> int:
     parser.add_argument("--refit", type=Path, help="fit a recorded recompute.json again")
     parser.add_argument("--persistence", type=int, default=None, help="stage3_param_persistence_threshold")
     parser.add_argument("--profile", action="store_true", help="after the grid, profile one step of its first fit")
+    parser.add_argument(
+        "--fetch-unit", choices=("module", "layer"), default="module", help="zero.fetch_unit (module: DeepSpeed's own)"
+    )
     parser.add_argument(
         "--first-fit", action="store_true", help="stop at the first point that fits (--micro 45,32: 45, else 32)"
     )

@@ -13,10 +13,13 @@
 #     as in a real job, instead of once per micro-batch. 7 steps, median of steps 4-7 (each 32 rows).
 #   NAME-nockpt-R (any launch task above, e.g. lora-g32-nockpt-1)  the same launch with
 #     train.gradient_checkpointing=false (the planner then picks the micro-batch alone)
+#   NAME-module-R, NAME-layer-R (e.g. lora-module-1, lora-g32-nockpt-layer-1)  the same launch with
+#     zero.fetch_unit=module (DeepSpeed's hooks on every sub-module) or =layer (each decoder layer one unit)
 #   prof-full-before  micro 35 (the old auto on SFT rows), all 18 layers checkpointed
 #   prof-full-after   micro 4, 0 of 18 checkpointed (today's auto)
 #   prof-lora-before  lora.dropout 0.05, all 36 checkpointed, micro 45 (the old auto; 40 or 32 if 45 fails)
 #   prof-lora-after   dropout 0, micro 6, 6 of 36 checkpointed (the auto plan at accumulation 1)
+#   prof-lora-after-layer  the same, each decoder layer one ZeRO-3 fetch unit
 # TASKS names what runs, in order, e.g. TASKS="full-sft-1 full-syn-1 lora-1 full-sft-2 ...". A task is skipped
 # when less than its own limit is left of CALL_S (the device command's limit, less a margin), so the call
 # ends with its results. Results are tarred into $OUT after each task. Run from the root of a checkout
@@ -59,8 +62,10 @@ profile() {  # NAME LIMIT_S ARGS...: recompute_h200.py, one point, then one prof
 }
 G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 for task in $TASKS; do
-    extra=""  # -nockpt- in the name: checkpointing off
+    extra=""  # -nockpt- in the name: checkpointing off; -module-/-layer-: zero.fetch_unit
     case $task in *-nockpt-*) extra="--set train.gradient_checkpointing=false" ;; esac
+    case $task in *-module-*) extra="$extra --set zero.fetch_unit=module" ;; esac
+    case $task in *-layer-*) extra="$extra --set zero.fetch_unit=layer" ;; esac
     case $task in
         full-sft-g32-*) launch "$task" 160 auto --layers 18 $G32 $extra ;;
         full-syn-g32-*) launch "$task" 160 synthetic --layers 18 $G32 $extra ;;
@@ -74,6 +79,8 @@ for task in $TASKS; do
         prof-lora-before) profile "$task" 200 --lora --lora-dropout 0.05 --layers 36 --micro 45,40,32 \
             --checkpointed all --steps 1 ;;
         prof-lora-after) profile "$task" 100 --lora --layers 36 --micro 6 --checkpointed 6 --steps 3 ;;
+        prof-lora-after-layer) profile "$task" 100 --lora --layers 36 --micro 6 --checkpointed 6 --steps 3 \
+            --fetch-unit layer ;;
         *) echo "$task: unknown task" ;;
     esac
 done

@@ -47,10 +47,10 @@ def calls(folder: Path) -> dict[str, int]:
     return found
 
 
-# A plan name's suffixes: -g32 when the global batch was fixed (32 rows), -module when the launch set
-# zero.fetch_unit=module (a key that existed only at 8459aaa, default layer: results/fetchunit-h200x1-20261204).
-# -nockpt when it set train.gradient_checkpointing=false.
-VARIANT = re.compile(r"(?:-g(?P<rows>\d+))?(?:-(?P<ckpt>nockpt))?(?:-(?P<unit>module))?$")
+# A plan name's suffixes: -g32 when the global batch was fixed (32 rows), -nockpt when it set
+# train.gradient_checkpointing=false, -module or -layer when it set zero.fetch_unit (the launches of
+# results/fetchunit-h200x1-20261204 without a suffix ran the key's default then, layer).
+VARIANT = re.compile(r"(?:-g(?P<rows>\d+))?(?:-(?P<ckpt>nockpt))?(?:-(?P<unit>module|layer))?$")
 
 
 def plan_label(plan: str) -> tuple[str, str, str, float]:
@@ -63,7 +63,7 @@ def plan_label(plan: str) -> tuple[str, str, str, float]:
     if variant["ckpt"]:
         label += ", gradient_checkpointing false"
     if variant["unit"]:
-        label += ", zero.fetch_unit module"
+        label += f", zero.fetch_unit {variant['unit']}"
     return base, label, key, bar
 
 

@@ -352,6 +352,11 @@ class ZeroSpec(_Strict):
     nvme_path: str | None = None
     config: str | None = None  # path to a user ds_config.json (may hold "auto")
     overrides: dict[str, Any] = Field(default_factory=dict)
+    # What ZeRO-3 gathers and releases as one unit. ``layer``: each decoder layer is a
+    # ZeRO-3 leaf module, so its weights come in one gather and one hook pair runs per
+    # layer. ``module``: DeepSpeed's default, hooks on every sub-module (a LoRA layer has
+    # about 40, most of them tiny adapters), whose host time can leave the GPU idle.
+    fetch_unit: Literal["layer", "module"] = "layer"
 
     @field_validator("nvme_path")
     @classmethod

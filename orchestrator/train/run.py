@@ -44,7 +44,7 @@ from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
 from .datasets import data_summary, load_dataset  # noqa: F401 (data_summary: the data lines, for tests)
 from .evaluation.runner import EvalRunner, forward_kwargs
-from .model import attention, checkpointing, lora, loss
+from .model import attention, checkpointing, fetchunit, lora, loss
 from .progress import ProgressLog, finite
 from .savetimer import save_callbacks
 
@@ -656,6 +656,10 @@ def train(
         if ranks.rank == 0:
             trainable, total = lora.trainable_summary(model)
             print(f"dzctl-train: LoRA: {trainable:,} of {total:,} parameters train", flush=True)
+    if spec.zero.fetch_unit == "layer":
+        leaves = fetchunit.fetch_by_layer(model)
+        if ranks.rank == 0:
+            print(f"dzctl-train: ZeRO-3 fetches by decoder layer ({leaves} leaf modules; zero.fetch_unit)", flush=True)
     used = f"{attention.NAME}/{kernel}" if kernel else str(model.config._attn_implementation)
     if ranks.rank == 0:
         print(f"dzctl-train: packing {packed}, attention {used}", flush=True)

@@ -20,6 +20,10 @@
 #   prof-lora-before  lora.dropout 0.05, all 36 checkpointed, micro 45 (the old auto; 40 or 32 if 45 fails)
 #   prof-lora-after   dropout 0, micro 6, 6 of 36 checkpointed (the auto plan at accumulation 1)
 #   prof-lora-after-layer  the same, each decoder layer one ZeRO-3 fetch unit
+#   prof-lora-nockpt-module, prof-lora-nockpt-layer  micro 4, none checkpointed (the plan at global batch 32
+#     once the fetch unit is a layer), per sub-module / per layer
+#   grid-lora-layer  recompute_h200.py's LoRA grid (micro 2-8, 0/6/14/36 checkpointed) per layer: the
+#     recompute model's LoRA constants for zero.fetch_unit layer
 # TASKS names what runs, in order, e.g. TASKS="full-sft-1 full-syn-1 lora-1 full-sft-2 ...". A task is skipped
 # when less than its own limit is left of CALL_S (the device command's limit, less a margin), so the call
 # ends with its results. Results are tarred into $OUT after each task. Run from the root of a checkout
@@ -60,6 +64,14 @@ profile() {  # NAME LIMIT_S ARGS...: recompute_h200.py, one point, then one prof
         > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
+grid() {  # NAME LIMIT_S ARGS...: recompute_h200.py's grid, recompute-lora-NAME.json with its fit
+    name=$1 limit=$2; shift 2
+    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
+    t0=$(date +%s)
+    (cd "$HERE" && RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout "$limit" \
+        python3 benchmarks/recompute_h200.py "$@" --tag="-$name" --out "$RES") > "$RES/$name.log" 2>&1
+    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
 G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 for task in $TASKS; do
     extra=""  # -nockpt- in the name: checkpointing off; -module-/-layer-: zero.fetch_unit
@@ -81,6 +93,11 @@ for task in $TASKS; do
         prof-lora-after) profile "$task" 100 --lora --layers 36 --micro 6 --checkpointed 6 --steps 3 ;;
         prof-lora-after-layer) profile "$task" 100 --lora --layers 36 --micro 6 --checkpointed 6 --steps 3 \
             --fetch-unit layer ;;
+        prof-lora-nockpt-module) profile "$task" 100 --lora --layers 36 --micro 4 --checkpointed 0 --steps 3 ;;
+        prof-lora-nockpt-layer) profile "$task" 100 --lora --layers 36 --micro 4 --checkpointed 0 --steps 3 \
+            --fetch-unit layer ;;
+        grid-lora-layer) grid "$task" 260 --lora --layers 36 --micro 2,4,6,8 --checkpointed 0,6,14,all \
+            --budget-s 200 --fetch-unit layer ;;
         *) echo "$task: unknown task" ;;
     esac
 done

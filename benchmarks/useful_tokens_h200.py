@@ -61,7 +61,7 @@ HOSTS = ROOT / "hostfiles" / "localhost.txt"
 LAUNCH_TIMEOUT_S = 240
 PLAN_KEYS = (
     "micro_batch_size", "gradient_checkpointing", "checkpointed_layers", "decoder_layers", "precision", "zero",
-    "fused_loss", "per_gpu_gib", "ds_config",
+    "fused_loss", "per_gpu_gib", "ds_config", "fetch_unit",
 )  # fmt: skip  # one configuration; a hung run is stopped and reported, the others still run
 
 

@@ -355,8 +355,9 @@ class ZeroSpec(_Strict):
     # What ZeRO-3 gathers and releases as one unit. ``layer``: each decoder layer is a
     # ZeRO-3 leaf module, so its weights come in one gather and one hook pair runs per
     # layer. ``module``: DeepSpeed's default, hooks on every sub-module (a LoRA layer has
-    # about 40, most of them tiny adapters), whose host time can leave the GPU idle.
-    fetch_unit: Literal["layer", "module"] = "layer"
+    # 85, most of them tiny adapters), whose host time can leave the GPU idle. auto: layer
+    # for LoRA, module for full fine-tuning (planning/fetchunit.py says why).
+    fetch_unit: Literal["auto", "layer", "module"] = "auto"
 
     @field_validator("nvme_path")
     @classmethod

@@ -109,6 +109,7 @@ class MemoryPlan:
     speed: Any = None
     # The spec key that fixed the global batch (globalbatch.py); None: micro × accumulation × world, as it falls.
     global_batch_key: str | None = None
+    fetch_unit: str = "module"  # zero.fetch_unit, resolved (planning/fetchunit.py): what the costs were ranked by
 
     @property
     def nvme_step_s(self) -> float | None:
@@ -181,6 +182,7 @@ class MemoryPlan:
             "zero": {"offload_optimizer": self.choice.offload_optimizer, "offload_param": self.choice.offload_param},
             "offload": self.choice.offload,  # none | optimizer | all (host RAM) | nvme
             "method": self.estimate.method,
+            "fetch_unit": self.fetch_unit,
             "trainable_params": self.estimate.trainable_params,
             "nvme": self._nvme_dict(),
             "lora_alternative": self._alternative_dict(),
@@ -312,11 +314,13 @@ class Allowed:
         return [Choice.with_layers(min(self.micro_batches()), max(self.layer_counts(num_layers)), num_layers, offload)]
 
 
-def expected_cost_per_token(choice: Choice, seq_len: int, num_layers: int, method: str = "full") -> float:
+def expected_cost_per_token(
+    choice: Choice, seq_len: int, num_layers: int, method: str = "full", fetch_unit: str = "module"
+) -> float:
     """Relative time per token (lower is faster); ranks candidates of one offload level (speed/recompute.py)."""
     checkpointed = choice.layers_checkpointed(num_layers)
     return recompute.cost_per_token(
-        choice.micro_batch_size, seq_len, checkpointed, num_layers, recompute.costs_for(method)
+        choice.micro_batch_size, seq_len, checkpointed, num_layers, recompute.costs_for(method, fetch_unit)
     )
 
 
@@ -333,6 +337,7 @@ def plan_memory(
     lora: LoraShape | None = None,
     nvme_path: str | None = None,
     packed: bool = False,
+    fetch_unit: str = "module",
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -382,7 +387,7 @@ def plan_memory(
                     hi, est = mid, est_mid
                 else:
                     lo = mid + 1
-            cost = expected_cost_per_token(est.choice, seq_len, layers, method)
+            cost = expected_cost_per_token(est.choice, seq_len, layers, method, fetch_unit)
             if best is None or cost < best[0]:
                 best = (cost, est)
         if best is not None:
@@ -401,6 +406,7 @@ def plan_memory(
         lora=lora,
         nvme_path=nvme_path,
         largest_layer_params=shape.largest_layer_params,
+        fetch_unit=fetch_unit,
     )
     if best is not None:
         est = best[1]

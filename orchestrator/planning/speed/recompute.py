@@ -26,6 +26,13 @@ Liger, bf16). Full fine-tuning, 18 layers, micro-batches 4 to 32 and N = 0, 9, 1
 C 5,940 tokens (every point within 2 %). LoRA r16 on all 7 projections, 36 layers, micro 8 and 16:
 rho 0.30, C 5,380; its steps at micro 2 and 4 do not shrink with the micro-batch (2.0 s without
 checkpointing, 2.5 s with half the layers, 3.0 s with all), a floor of about 28,000 token-times.
+
+LoRA with each decoder layer one ZeRO-3 fetch unit (``zero.fetch_unit: layer``, planning/fetchunit.py)
+has a cost model of its own: one hook pair per layer instead of 85, so no floor. Fitted the same way to
+the grid of ``benchmarks/results/fetchunit2-h200x1-20261204/recompute-lora-grid-lora-layer.json``
+(36 layers, micro 2 to 8, N = 0, 6, 14, 36; 14 points, worst within 5.6 %): rho 0.61, C 6,720. Its
+micro 2 steps take 0.81-1.13 s against 2.0-3.0 s by module: the floor is gone, and micro 4 without
+checkpointing (1.22 s, 13,455 tokens/s) outruns micro 8 with 14 of 36 layers recomputed (2.70 s, 12,143).
 """
 
 from __future__ import annotations
@@ -43,11 +50,15 @@ class StepCosts:
 
 
 FULL = StepCosts(rho=0.42, fixed_tokens=5940.0, floor_tokens=0.0)
-LORA = StepCosts(rho=0.30, fixed_tokens=5380.0, floor_tokens=28000.0)
+LORA = StepCosts(rho=0.30, fixed_tokens=5380.0, floor_tokens=28000.0)  # hooks on every sub-module
+LORA_BY_LAYER = StepCosts(rho=0.61, fixed_tokens=6720.0, floor_tokens=0.0)  # zero.fetch_unit: layer
 
 
-def costs_for(method: str) -> StepCosts:
-    return LORA if method == "lora" else FULL
+def costs_for(method: str, fetch_unit: str = "module") -> StepCosts:
+    """The constants of a method and ZeRO-3 fetch unit (full fine-tuning has one set: its unit is module)."""
+    if method != "lora":
+        return FULL
+    return LORA_BY_LAYER if fetch_unit == "layer" else LORA
 
 
 def cost_per_token(micro_batch_size: int, seq_len: int, checkpointed: int, num_layers: int, costs: StepCosts) -> float:

@@ -71,6 +71,7 @@ class MeasuredMfu:
 
     mfu: float
     method: str = "full"  # whose recompute costs scale it: "full" or "lora"
+    fetch_unit: str = "module"  # zero.fetch_unit it ran with (the recompute costs are the unit's own)
     micro_batch_size: int | None = None
     checkpointed: int = 0
     num_layers: int = 0
@@ -78,25 +79,31 @@ class MeasuredMfu:
     source: str = ""
 
 
-# Model-FLOP utilisation of compute alone (ZeRO-3 on ONE GPU: no collective leaves it), by loss path
-# and method, FLOPs counted as ModelShape.flops_per_token does (6 N + attention, LoRA too). "liger":
-# the auto plans of issue 29 through dzctl launch on one H200 (benchmarks/results/
-# steady-h200x1-20261204-g32: Qwen3-8B layer shapes, seq 4096, bf16, global batch 32 rows, mean of the
-# launches): full fine-tuning on synthetic:random rows, 18 layers, micro 4 x 8, none checkpointed,
-# 60.1 %; LoRA r16 on the 7 projections, 36 layers, micro 8 x 4, 14 checkpointed, 62.6 %. "none"/
+# Model-FLOP utilisation of compute alone (ZeRO-3 on ONE GPU: no collective leaves it), by loss path,
+# method and ZeRO-3 fetch unit, FLOPs counted as ModelShape.flops_per_token does (6 N + attention, LoRA
+# too). "liger": the auto plans of issue 29 through dzctl launch on one H200 (Qwen3-8B layer shapes,
+# seq 4096, bf16, global batch 32 rows, mean of the launches): full fine-tuning on synthetic:random rows,
+# 18 layers, micro 4 x 8, none checkpointed, 60.1 % (benchmarks/results/steady-h200x1-20261204-g32);
+# LoRA r16 on the 7 projections, 36 layers: by module, micro 8 x 4, 14 checkpointed, 62.6 % (the same
+# folder); by layer, micro 4 x 8, none checkpointed, 72.0 % (fetchunit2-h200x1-20261204: 72.9, 71.5 and
+# 71.6 % in three launches, the auto plan at global batch 32 in two of them). "none"/
 # "chunked" (no Liger kernels): the 2xH200 trainer run with micro-batch 6 (34.8 %, DESIGN section 5;
 # its NVLink traffic is under 3 % of that step), plan not recorded. H100: the same die as H200.
-_LIGER_FULL = MeasuredMfu(0.601, "full", 4, 0, 18, 4096, "H200, full FT micro 4, 0/18 checkpointed")
-_LIGER_LORA = MeasuredMfu(0.626, "lora", 8, 14, 36, 4096, "H200, LoRA micro 8, 14/36 checkpointed")
+_LIGER_FULL = MeasuredMfu(0.601, "full", "module", 4, 0, 18, 4096, "H200, full FT micro 4, 0/18 checkpointed")
+_LIGER_LORA = MeasuredMfu(0.626, "lora", "module", 8, 14, 36, 4096, "H200, LoRA micro 8, 14/36 checkpointed")
+_LIGER_LORA_BY_LAYER = MeasuredMfu(
+    0.720, "lora", "layer", 4, 0, 36, 4096, "H200, LoRA by layer, micro 4, 0/36 checkpointed"
+)
 _NO_LIGER = MeasuredMfu(0.348, source="2xH200 trainer run, micro 6")
-MFU_MEASURED: dict[tuple[str, str, str], MeasuredMfu] = {
-    (kind, loss, method): point
+MFU_MEASURED: dict[tuple[str, str, str, str], MeasuredMfu] = {
+    (kind, loss, method, unit): point
     for kind in ("H200", "H100")
-    for (loss, method), point in {
-        ("liger", "full"): _LIGER_FULL,
-        ("liger", "lora"): _LIGER_LORA,
-        ("none", "full"): _NO_LIGER,
-        ("chunked", "full"): _NO_LIGER,
+    for (loss, method, unit), point in {
+        ("liger", "full", "module"): _LIGER_FULL,
+        ("liger", "lora", "module"): _LIGER_LORA,
+        ("liger", "lora", "layer"): _LIGER_LORA_BY_LAYER,
+        ("none", "full", "module"): _NO_LIGER,
+        ("chunked", "full", "module"): _NO_LIGER,
     }.items()
 }
 # For kinds with no measurement here: a stated default, not a measurement (large dense
@@ -127,23 +134,27 @@ class ComputePlan:
     checkpointed: int = 0
     num_layers: int = 0
     seq_len: int = 0
+    fetch_unit: str = "module"  # zero.fetch_unit, resolved
 
 
 def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) -> tuple[float, str]:
     """The MFU used for this kind, loss path and plan, and where it comes from.
 
-    A method without a measurement of its own takes full fine-tuning's figure, as it is.
+    A fetch unit without a measurement of its own takes the method's by module (scaled by that unit's
+    costs); a method without one takes full fine-tuning's figure, as it is.
     """
-    point = MFU_MEASURED.get((kind.name, loss_path, plan.method))
+    point = MFU_MEASURED.get((kind.name, loss_path, plan.method, plan.fetch_unit))
     if point is None:
-        point = MFU_MEASURED.get((kind.name, loss_path, "full"))
+        point = MFU_MEASURED.get((kind.name, loss_path, plan.method, "module"))
+    if point is None:
+        point = MFU_MEASURED.get((kind.name, loss_path, "full", "module"))
         if point is None:
             return DEFAULT_MFU, f"stated default (no measurement for {kind.name})"
         return point.mfu, f"measured ({kind.name}, loss {loss_path}, full fine-tuning's: {point.source})"
     where = f"measured ({kind.name}, loss {loss_path}: {point.source})"
     if point.micro_batch_size is None or plan.micro_batch_size is None:
         return point.mfu, where
-    costs = recompute.costs_for(point.method)
+    costs = recompute.costs_for(point.method, point.fetch_unit)
     at_point = recompute.cost_per_token(
         point.micro_batch_size, point.seq_len, point.checkpointed, point.num_layers, costs
     )

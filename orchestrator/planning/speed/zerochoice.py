@@ -242,6 +242,7 @@ def _compute_plan(plan: MemoryPlan) -> ComputePlan:
         checkpointed=plan.choice.layers_checkpointed(layers),
         num_layers=layers,
         seq_len=plan.seq_len,
+        fetch_unit=plan.fetch_unit,
     )
 
 

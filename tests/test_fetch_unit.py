@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_train import train
 
-from orchestrator.planning.fetchunit import resolve_fetch_unit
+from orchestrator.planning.fetchunit import offloads_params, resolve_fetch_unit
 from orchestrator.planning.memory.estimate import GIB, Choice, LoraShape, estimate
 from orchestrator.planning.memory.globalbatch import GlobalBatch, constrain
 from orchestrator.planning.memory.search import Allowed, Hardware, plan_memory
@@ -60,6 +60,11 @@ def test_auto_is_layer_for_lora_and_module_for_full_fine_tuning():
     assert resolve_fetch_unit("layer", "full") == "layer"
     with pytest.raises(ValueError, match="auto, layer or module"):
         resolve_fetch_unit("block", "lora")
+    # Weights offloaded to host RAM or NVMe: nothing measured by layer, DeepSpeed's default stays.
+    assert resolve_fetch_unit("auto", "lora", offload_param=True) == "module"
+    assert offloads_params({"zero_optimization": {"offload_param": {"device": "nvme"}}})
+    assert not offloads_params({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert not offloads_params({"zero_optimization": {"offload_param": {"device": "none"}}})
 
 
 def _lora_plan(fetch_unit: str, rows: int | None):
@@ -81,6 +86,16 @@ def test_lora_by_layer_plans_no_checkpointing_where_by_module_recomputes():
     assert by_layer.fetch_unit == "layer" and by_layer.to_dict({})["fetch_unit"] == "layer"
     assert _lora_plan("module", None).choice == Choice(6, True, "none", 6)
     assert _lora_plan("layer", None).choice == Choice(5, False, "none")
+    assert _lora_plan("auto", None).fetch_unit == "layer"
+
+
+def test_auto_keeps_module_where_the_plan_offloads_the_weights():
+    """Qwen3-8B LoRA on a 16 GiB GPU offloads the weights; auto then ranks and trains by module."""
+    small = Hardware((1,), 16.0, 256.0)
+    plan = plan_memory(QWEN3_8B, allowed=Allowed(), seq_len=4096, precision="bf16", gradient_accumulation_steps=1,
+                       hardware=small, fused_loss="liger", lora=LORA, fetch_unit="auto")  # fmt: skip
+    assert plan.fits and plan.choice.offload_param
+    assert plan.fetch_unit == "module"
 
 
 def test_the_by_layer_costs_are_the_fit_of_the_committed_grid_and_reproduce_it():

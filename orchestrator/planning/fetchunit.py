@@ -3,8 +3,8 @@
 ``module`` is DeepSpeed's own way: a forward and a backward hook pair on every sub-module, each
 gathering its own weights. ``layer`` marks each decoder layer a ZeRO-3 leaf module
 (``train/model/fetchunit.py``): one gather and one hook pair per layer. ``auto`` takes ``layer`` for
-LoRA and ``module`` for full fine-tuning, as measured on one H200 through ``dzctl launch``
-(``benchmarks/results/fetchunit-h200x1-20261204/`` and ``fetchunit2-h200x1-20261204/``):
+LoRA whose weights stay on the GPUs and ``module`` otherwise, as measured on one H200 through ``dzctl
+launch`` (``benchmarks/results/fetchunit-h200x1-20261204/`` and ``fetchunit2-h200x1-20261204/``):
 
 * LoRA wraps each of a layer's seven projections in about ten more modules (85 per layer), and at small
   micro-batches their hooks' host time left the GPU idle. By layer, micro 4 without checkpointing ran at
@@ -13,19 +13,29 @@ LoRA and ``module`` for full fine-tuning, as measured on one H200 through ``dzct
 * Full fine-tuning has 15 modules per layer and its steps were GPU-bound by module already; by layer it ran
   at 53.5 % / 57.1 % MFU against 53.9-55.6 % / 59.7-60.5 % in other calls, so it is not shown to help
   there and DeepSpeed's default stays.
+* With the weights offloaded (``offload: all`` or ``nvme``) nothing was measured by layer, and a layer
+  fetched whole from host RAM or NVMe needs swap buffers for all its weights at once, not one module's:
+  DeepSpeed's default stays there too.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 FetchUnit = Literal["layer", "module"]
 
 
-def resolve_fetch_unit(setting: str, method: str) -> FetchUnit:
-    """The fetch unit a job runs with: ``zero.fetch_unit`` as written, or for ``auto`` the method's."""
+def resolve_fetch_unit(setting: str, method: str, offload_param: bool = False) -> FetchUnit:
+    """The fetch unit a job runs with: ``zero.fetch_unit`` as written, or for ``auto`` the plan's."""
     if setting == "auto":
-        return "layer" if method == "lora" else "module"
+        return "layer" if method == "lora" and not offload_param else "module"
     if setting not in ("layer", "module"):
         raise ValueError(f"zero.fetch_unit must be auto, layer or module, not {setting!r}")
     return setting  # type: ignore[return-value]
+
+
+def offloads_params(ds_config: dict[str, Any]) -> bool:
+    """Whether a DeepSpeed config keeps the weights off the GPUs (``offload_param`` to cpu or nvme)."""
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_param") if isinstance(zero, dict) else None
+    return isinstance(offload, dict) and offload.get("device", "none") not in ("none", None)

@@ -12,7 +12,6 @@ from typing import Any
 
 from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
-from ..fetchunit import resolve_fetch_unit
 from ..inputs import JobInputs
 from ..speed.communication import Links
 from ..speed.steptime import GpuKind
@@ -194,7 +193,7 @@ def plan_for_job(
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
             packed=inputs.packing and spec.accelerator == "gpu",
-            fetch_unit=resolve_fetch_unit(spec.zero.fetch_unit, "lora" if as_lora else "full"),
+            fetch_unit=spec.zero.fetch_unit,
         )
 
     plan = planned(spec.train.method == "lora")

@@ -12,6 +12,7 @@ from typing import Any
 
 from ...spec.job import LoraSpec
 from ..dsconfig import Resolved
+from ..fetchunit import resolve_fetch_unit
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
 from ..speed import recompute
@@ -337,7 +338,7 @@ def plan_memory(
     lora: LoraShape | None = None,
     nvme_path: str | None = None,
     packed: bool = False,
-    fetch_unit: str = "module",
+    fetch_unit: str = "module",  # zero.fetch_unit as the spec has it (auto: resolved per candidate)
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -355,6 +356,10 @@ def plan_memory(
     layers = shape.num_layers
     counts = allowed.layer_counts(layers)
     method = "lora" if lora else "full"
+
+    def unit_of(est: Estimate) -> str:
+        """The fetch unit this candidate would train with (``fetch_unit``: zero.fetch_unit as the spec has it)."""
+        return resolve_fetch_unit(fetch_unit, method, est.choice.offload_param)
 
     def judged(choice: Choice) -> tuple[bool, Estimate]:
         est = estimate(
@@ -387,7 +392,7 @@ def plan_memory(
                     hi, est = mid, est_mid
                 else:
                     lo = mid + 1
-            cost = expected_cost_per_token(est.choice, seq_len, layers, method, fetch_unit)
+            cost = expected_cost_per_token(est.choice, seq_len, layers, method, unit_of(est))
             if best is None or cost < best[0]:
                 best = (cost, est)
         if best is not None:
@@ -406,17 +411,23 @@ def plan_memory(
         lora=lora,
         nvme_path=nvme_path,
         largest_layer_params=shape.largest_layer_params,
-        fetch_unit=fetch_unit,
     )
     if best is not None:
         est = best[1]
-        return MemoryPlan(fits=True, estimate=est, host_per_node=_host_per_node(est, hardware, accelerator), **common)
+        return MemoryPlan(
+            fits=True,
+            estimate=est,
+            host_per_node=_host_per_node(est, hardware, accelerator),
+            fetch_unit=unit_of(est),
+            **common,
+        )
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
     least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, packed)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
         estimate=least,
+        fetch_unit=unit_of(least),
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
         min_nodes=smallest_fitting_nodes(

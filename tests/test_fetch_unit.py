@@ -89,6 +89,22 @@ def test_lora_by_layer_plans_no_checkpointing_where_by_module_recomputes():
     assert _lora_plan("auto", None).fetch_unit == "layer"
 
 
+def test_plan_says_the_fetch_unit_it_planned_with(tmp_path):
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    job = ROOT / "jobs" / "tiny-cpu.yaml"
+    hosts = ROOT / "hostfiles" / "localhost.txt"
+    for sets, words in (([], "each module (zero.fetch_unit: auto)"), (["train.method=lora"], "each decoder layer")):
+        argv = ["plan", str(job), "--hosts", str(hosts), "--runtime", "process"]
+        for item in sets:
+            argv += ["--set", item]
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 0, result.output
+        assert f"ZeRO-3 fetch unit: {words}" in result.output
+
+
 def test_auto_keeps_module_where_the_plan_offloads_the_weights():
     """Qwen3-8B LoRA on a 16 GiB GPU offloads the weights; auto then ranks and trains by module."""
     small = Hardware((1,), 16.0, 256.0)

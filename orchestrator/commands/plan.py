@@ -181,6 +181,8 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"{plan.train_batch_size}",
         global_batch_line(plan),
         f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",
+        f"ZeRO-3 fetch unit: {'each decoder layer' if plan.fetch_unit == 'layer' else 'each module'} "
+        f"(zero.fetch_unit: {spec.zero.fetch_unit})",
     ]
     lines += _method_lines(plan)
     lines += [

@@ -87,15 +87,20 @@ class RecordedPlan(NamedTuple):
 def predicted_and_measured(run: dict) -> tuple[float, float, str]:
     """(predicted, measured) seconds of one optimizer step, and the method: today's model, as launch predicts."""
     from orchestrator.planning.dsconfig import bucket_sizes
+    from orchestrator.planning.memory.estimate import LoraShape
     from orchestrator.planning.shape import CATALOGUE, shape_from_config
     from orchestrator.planning.speed.communication import Layout, Links, ZeroSettings
-    from orchestrator.planning.speed.steptime import GPU_KINDS, ComputePlan, compute_rate, predict
+    from orchestrator.planning.speed.steptime import GPU_KINDS, ComputePlan, compute_rate, optimizer_seconds, predict
+    from orchestrator.planning.speed.zerochoice import trained_numels
+    from orchestrator.spec.job import LORA_DEFAULT_TARGETS
 
     plan = RecordedPlan.of(run)
     config = {**CATALOGUE["Qwen/Qwen3-8B"], "num_hidden_layers": plan.layers}
     shape = shape_from_config(config, name=f"Qwen3-8B-{plan.layers}", source="catalogue")
     h200 = GPU_KINDS["H200"]
     compute = ComputePlan(plan.method, plan.micro, plan.checkpointed, plan.layers, SEQ, plan.fetch_unit)
+    # Every launch's LoRA was r 16 on the 7 projections (useful_tokens_h200.py's job, the spec's defaults).
+    adapters = trained_numels(shape, LoraShape(16, LORA_DEFAULT_TARGETS, 0.0) if plan.method == "lora" else None)
     step = predict(
         shape,
         tokens=plan.micro * SEQ,
@@ -106,12 +111,14 @@ def predicted_and_measured(run: dict) -> tuple[float, float, str]:
         flops_per_s=compute_rate(h200, run["plan"]["fused_loss"], compute),
         param_bytes=2,
         grad_bytes=2,
+        accumulation=plan.accumulation,
+        optimizer_s=optimizer_seconds(h200, sum(adapters) if adapters else shape.total_params),
     )
     assert step.comm_s == 0.0 and step.bound == "compute"
     measured = run.get("median_step_s") or statistics.median(
         s["step_time_s"] for s in run["steps"] if s["event"] == "step" and s["step"] >= 3
     )
-    return step.step_s * plan.accumulation, measured, plan.method
+    return step.optimizer_step_s, measured, plan.method
 
 
 def by_configuration(results: Path) -> dict[tuple[str, str], tuple[float, list[float]]]:

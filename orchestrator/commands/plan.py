@@ -85,8 +85,9 @@ def speed_lines(plan: MemoryPlan) -> list[str]:
         f"  communication  {step.comm_s:8.3f} s ({comm.bandwidth_s:.3f} s bandwidth, {comm.latency_s:.3f} s latency of "
         f"{comm.calls} collectives: {calls}); {comm.inter_bytes / 1e9:.2f} GB over each node's link",
         f"  micro-step     {step.step_s:8.3f} s = max(compute, communication) + {step.exposed_s:.3f} s not overlapped",
-        f"  {step.tokens_per_s:,.0f} tokens/s/GPU, bound: {step.bound}; optimizer step "
-        f"({speed.gradient_accumulation_steps} micro-steps) {step.step_s * speed.gradient_accumulation_steps:.2f} s",
+        f"  optimizer step {step.optimizer_step_s:8.3f} s = {step.accumulation} micro-steps + {step.optimizer_s:.3f} s "
+        "for the optimizer",
+        f"  {step.tokens_per_s:,.0f} tokens/s/GPU, bound: {step.bound}",
     ]
     if speed.plain is not None and speed.hpz_partition_size > 1:
         lines.append(f"  plain ZeRO-3 would take {speed.plain.step_s:.3f} s per micro-step")

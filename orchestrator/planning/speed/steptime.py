@@ -18,8 +18,14 @@ gather of the forward and the last reduce of the backward have nothing to hide b
 shaped-link runs, ``benchmarks/results/steptime-shaped-*``).
 
 The model is for one micro-step: gradient accumulation repeats the gathers and the reduce,
-so an optimizer step of A micro-steps takes A times as long (the optimizer's own step is
-left out: with N/W parameters per GPU it is a small memory-bound pass).
+so an optimizer step of A micro-steps takes A of them, and then the optimizer's own step:
+
+    optimizer step = A · step + optimizer,   optimizer = (trained params / W) · B / HBM bandwidth
+
+a memory-bound pass over each GPU's partition (the gradient norm and clipping, fused AdamW over the
+fp32 master weights and moments, the cast back to the 16-bit weights, the gradients zeroed). B, the
+bytes moved per parameter at the HBM's rated bandwidth, is measured on one H200 (OPTIMIZER_BYTES_PER_PARAM).
+tokens/s/GPU is over the optimizer step: A · T / (A · step + optimizer).
 """
 
 from __future__ import annotations
@@ -46,17 +52,34 @@ class GpuKind:
     peak_flops: float  # dense bf16 tensor-core FLOP/s, no sparsity
     intra_bytes_per_s: float  # bus bandwidth of a collective among the GPUs of one node
     source: str
+    hbm_bytes_per_s: float = 0.0  # the datasheet's memory bandwidth (0: the optimizer step is not timed)
 
 
 # Peaks: NVIDIA's datasheets, dense (the "with sparsity" figures halved): H100 SXM 989.4 TFLOP/s
 # bf16, H200 the same GH100 die and clocks (989), A100 312. Intra-node bus bandwidth: measured
 # on 2×H200 (NV18; NCCL all-reduce 302 GB/s at 256 MiB, DESIGN §5) for NVLink-4 (H100/H200 SXM);
 # NVLink-3 A100 SXM: NCCL's model caps sm80 at 235 GB/s bus bandwidth (src/graph/tuning.cc).
+# HBM: the datasheets' 3.35 TB/s (H100 SXM), 4.8 TB/s (H200), 2.039 TB/s (A100 80GB SXM).
 GPU_KINDS: dict[str, GpuKind] = {
-    "H100": GpuKind("H100", 989e12, 302e9, "NVIDIA H100 SXM datasheet; NVLink-4 as measured on 2×H200"),
-    "H200": GpuKind("H200", 989e12, 302e9, "NVIDIA H200 datasheet; NCCL bus bandwidth measured on 2×H200"),
-    "A100": GpuKind("A100", 312e12, 235e9, "NVIDIA A100 datasheet; NCCL's sm80 bus-bandwidth cap"),
+    "H100": GpuKind("H100", 989e12, 302e9, "NVIDIA H100 SXM datasheet; NVLink-4 as measured on 2×H200", 3.35e12),
+    "H200": GpuKind("H200", 989e12, 302e9, "NVIDIA H200 datasheet; NCCL bus bandwidth measured on 2×H200", 4.8e12),
+    "A100": GpuKind("A100", 312e12, 235e9, "NVIDIA A100 datasheet; NCCL's sm80 bus-bandwidth cap", 2.039e12),
 }
+
+# Bytes moved per trained parameter of a GPU's partition in one optimizer step, at the HBM's rated
+# bandwidth. Measured on one H200 through dzctl launch: full fine-tuning of 18 Qwen3-8B layers
+# (4,717,699,584 parameters), micro 4 with none checkpointed, took 0.863 s per optimizer step at
+# accumulation 1 (median of 5 launches, benchmarks/results/steady-h200x1-20261204) and 6.191 s at 8
+# (median of 7, steady-h200x1-20261204-g32): a micro-step of 0.762 s and an optimizer step of 0.101 s,
+# 103 bytes per parameter at 4.8 TB/s (the ideal pass of AdamW, its casts and the norm is about 40).
+OPTIMIZER_BYTES_PER_PARAM = 103.0
+
+
+def optimizer_seconds(kind: GpuKind, params_per_gpu: float) -> float:
+    """The optimizer's own step on one GPU: its partition of the trained parameters, memory-bound."""
+    if kind.hbm_bytes_per_s <= 0:
+        return 0.0
+    return params_per_gpu * OPTIMIZER_BYTES_PER_PARAM / kind.hbm_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -79,17 +102,18 @@ class MeasuredMfu:
     source: str = ""
 
 
-# Model-FLOP utilisation of compute alone (ZeRO-3 on ONE GPU: no collective leaves it), by loss path,
-# method and ZeRO-3 fetch unit, FLOPs counted as ModelShape.flops_per_token does (6 N + attention, LoRA
-# too). "liger": the auto plans of issue 29 through dzctl launch on one H200 (Qwen3-8B layer shapes,
-# seq 4096, bf16, global batch 32 rows, mean of the launches): full fine-tuning on synthetic:random rows,
-# 18 layers, micro 4 x 8, none checkpointed, 60.1 % (benchmarks/results/steady-h200x1-20261204-g32);
+# Model-FLOP utilisation of compute alone (ZeRO-3 on ONE GPU: no collective leaves it; the optimizer's
+# step apart), by loss path, method and ZeRO-3 fetch unit, FLOPs counted as ModelShape.flops_per_token
+# does (6 N + attention, LoRA too). "liger": the auto plans of issue 29 through dzctl launch on one H200
+# (Qwen3-8B layer shapes, seq 4096, bf16, global batch 32 rows): full fine-tuning, 18 layers, micro 4 x 8,
+# none checkpointed, 61.3 %, the micro-step of 0.762 s that OPTIMIZER_BYTES_PER_PARAM's fit leaves
+# (benchmarks/results/steady-h200x1-20261204-g32; 60.1 % over the whole optimizer step, synthetic rows);
 # LoRA r16 on the 7 projections, 36 layers: by module, micro 8 x 4, 14 checkpointed, 62.6 % (the same
 # folder); by layer, micro 4 x 8, none checkpointed, 72.0 % (fetchunit2-h200x1-20261204: 72.9, 71.5 and
 # 71.6 % in three launches, the auto plan at global batch 32 in two of them). "none"/
 # "chunked" (no Liger kernels): the 2xH200 trainer run with micro-batch 6 (34.8 %, DESIGN section 5;
 # its NVLink traffic is under 3 % of that step), plan not recorded. H100: the same die as H200.
-_LIGER_FULL = MeasuredMfu(0.601, "full", "module", 4, 0, 18, 4096, "H200, full FT micro 4, 0/18 checkpointed")
+_LIGER_FULL = MeasuredMfu(0.613, "full", "module", 4, 0, 18, 4096, "H200, full FT micro 4, 0/18 checkpointed")
 _LIGER_LORA = MeasuredMfu(0.626, "lora", "module", 8, 14, 36, 4096, "H200, LoRA micro 8, 14/36 checkpointed")
 _LIGER_LORA_BY_LAYER = MeasuredMfu(
     0.720, "lora", "layer", 4, 0, 36, 4096, "H200, LoRA by layer, micro 4, 0/36 checkpointed"
@@ -174,6 +198,8 @@ class StepTime:
     compute_s: float
     comm: CommTime
     overlap: float
+    accumulation: int = 1  # micro-steps per optimizer step
+    optimizer_s: float = 0.0  # the optimizer's own step (optimizer_seconds), once per optimizer step
 
     @property
     def comm_s(self) -> float:
@@ -190,9 +216,14 @@ class StepTime:
         return max(self.compute_s, self.comm_s) + self.exposed_s
 
     @property
+    def optimizer_step_s(self) -> float:
+        """Accumulation micro-steps, then the optimizer."""
+        return self.accumulation * self.step_s + self.optimizer_s
+
+    @property
     def tokens_per_s(self) -> float:
-        """Per GPU."""
-        return self.tokens / self.step_s
+        """Per GPU, over an optimizer step."""
+        return self.accumulation * self.tokens / self.optimizer_step_s
 
     @property
     def bound(self) -> str:
@@ -213,6 +244,8 @@ class StepTime:
             "comm_latency_s": round(self.comm.latency_s, 4),
             "exposed_s": round(self.exposed_s, 4),
             "micro_step_s": round(self.step_s, 4),
+            "optimizer_s": round(self.optimizer_s, 4),
+            "optimizer_step_s": round(self.optimizer_step_s, 3),
             "tokens_per_s_per_gpu": round(self.tokens_per_s, 1),
             "bound": self.bound,
             "loss_vs_compute": round(self.loss_fraction, 4),
@@ -237,12 +270,14 @@ def predict(
     overlap: float = DEFAULT_OVERLAP,
     checkpointing: bool = True,
     accumulation: int = 1,
+    optimizer_s: float = 0.0,
 ) -> StepTime:
     """The predicted micro-step of one GPU.
 
     ``flops_per_s``: what one GPU (or CPU rank) sustains on this model, MFU × peak
     (``compute_rate``); ``grad_numels``: the trained tensors (``None``: every weight; LoRA
-    passes its adapters'). ``tokens`` is what one GPU processes per micro-step.
+    passes its adapters'). ``tokens`` is what one GPU processes per micro-step; ``optimizer_s``
+    the optimizer's own step (``optimizer_seconds``; 0 where it is not on the GPUs).
     """
     weights = shape.weight_numels()
     forward, backward = gathered_per_phase(
@@ -262,7 +297,9 @@ def predict(
     )
     comm = comm_time(collectives, layout=layout, links=links)
     compute = tokens * shape.flops_per_token(seq_len) / flops_per_s
-    return StepTime(tokens=tokens, compute_s=compute, comm=comm, overlap=overlap)
+    return StepTime(
+        tokens=tokens, compute_s=compute, comm=comm, overlap=overlap, accumulation=accumulation, optimizer_s=optimizer_s
+    )
 
 
 def module_blocks(shape: ModelShape, persistence_threshold: int) -> list[list[tuple[int, int]]]:

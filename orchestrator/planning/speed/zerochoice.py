@@ -20,7 +20,16 @@ from ..memory.estimate import Buckets, Choice, LoraShape, estimate
 from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from ..shape import ModelShape
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
-from .steptime import ComputePlan, GpuKind, StepTime, break_even_tokens, compute_rate, mfu_for, predict
+from .steptime import (
+    ComputePlan,
+    GpuKind,
+    StepTime,
+    break_even_tokens,
+    compute_rate,
+    mfu_for,
+    optimizer_seconds,
+    predict,
+)
 
 # Bucket sizes tried on multi-node jobs, as multiples of the hidden²-sized default: fewer,
 # larger reduce-scatters and gathers pay the per-collective latency fewer times; 4× costs
@@ -63,9 +72,6 @@ class SpeedPlan:
             "mfu_source": self.mfu_source,
             "links": self.links_source,
             **(step.to_dict() if step is not None else {}),
-            "optimizer_step_s": (
-                round(step.step_s * self.gradient_accumulation_steps, 3) if step is not None else None
-            ),
             "plain_zero3_micro_step_s": round(self.plain.step_s, 4) if self.plain is not None else None,
             "hpz_partition_size": self.hpz_partition_size,
             "reduce_bucket_size": self.buckets.reduce if self.buckets else None,
@@ -129,7 +135,9 @@ def choose_zero(
             "prediction (it is a lower bound on the step time)"
         )
     p = 2 if plan.precision in ("bf16", "fp16") else 4
-    grad_numels = _trained_numels(shape, lora)
+    grad_numels = trained_numels(shape, lora)
+    trained = sum(grad_numels) if grad_numels is not None else shape.total_params
+    world = layout.nodes * layout.gpus_per_node
 
     def run(hpz: int, buckets: Buckets, candidate: MemoryPlan) -> StepTime:
         zero = ZeroSettings(buckets.reduce, buckets.prefetch, buckets.persistence, hpz)
@@ -146,7 +154,9 @@ def choose_zero(
             grad_bytes=p,
             grad_numels=grad_numels,
             checkpointing=plan.choice.gradient_checkpointing,
-            accumulation=plan.gradient_accumulation_steps,
+            accumulation=candidate.gradient_accumulation_steps,
+            # An offloaded optimizer steps on the CPU: not timed (the plan says so).
+            optimizer_s=0.0 if candidate.choice.offload_optimizer else optimizer_seconds(gpu, trained / world),
         )
 
     default = plan.buckets
@@ -215,7 +225,7 @@ def choose_zero(
         mfu=mfu,
         mfu_source=mfu_source,
         links_source=links.source,
-        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+        gradient_accumulation_steps=chosen.gradient_accumulation_steps,
         hpz_partition_size=hpz,
         buckets=buckets,
         notes=tuple(notes),
@@ -254,7 +264,8 @@ def _buckets(default: Buckets, m: int, reduce: int | None, prefetch: int | None)
     )
 
 
-def _trained_numels(shape: ModelShape, lora: LoraShape | None) -> list[int] | None:
+def trained_numels(shape: ModelShape, lora: LoraShape | None) -> list[int] | None:
+    """The trained tensors' sizes: LoRA's A and B of every adapted projection; None: every weight."""
     if lora is None:
         return None
     per_layer = [lora.r * fan_in for fan_in, _ in lora.adapted(shape).values()]
@@ -385,6 +396,6 @@ def comm_bound_warning(
         fixes.append(f"a faster network (about {needed * 8 / 1e9 / RATED_LINK_EFFICIENCY:,.0f} Gbit/s per node)")
     return (
         f"communication-bound: predicted at {1 - step.loss_fraction:.0%} of compute speed, "
-        f"{step.loss_fraction:.0%} lost ({step.tokens_per_s:,.0f} against {step.tokens / step.compute_s:,.0f} "
+        f"{step.loss_fraction:.0%} lost ({step.tokens / step.step_s:,.0f} against {step.tokens / step.compute_s:,.0f} "
         "tokens/s/GPU); fixes: " + "; ".join(fixes)
     )

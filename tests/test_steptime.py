@@ -349,3 +349,8 @@ def test_a_zero_setting_that_takes_a_smaller_micro_batch_keeps_the_global_batch_
     assert ds["train_batch_size"] == global_batch
     assert ds["gradient_accumulation_steps"] == plan.gradient_accumulation_steps
     assert ds["train_micro_batch_size_per_gpu"] == plan.choice.micro_batch_size
+    # The predicted optimizer step is of the chosen split, not of the plan before the choice.
+    assert plan.speed.gradient_accumulation_steps == plan.gradient_accumulation_steps == plan.speed.step.accumulation
+    assert plan.speed.to_dict()["optimizer_step_s"] == pytest.approx(
+        plan.gradient_accumulation_steps * plan.speed.step.step_s + plan.speed.step.optimizer_s, abs=1e-3
+    )

@@ -26,7 +26,7 @@ FetchUnit = Literal["layer", "module"]
 
 
 def resolve_fetch_unit(setting: str, method: str, offload_param: bool = False) -> FetchUnit:
-    """The fetch unit a job runs with: ``zero.fetch_unit`` as written, or for ``auto`` the plan's."""
+    """The fetch unit a job runs with: ``zero.fetch_unit`` as written, or ``auto``'s for this method and offload."""
     if setting == "auto":
         return "layer" if method == "lora" and not offload_param else "module"
     if setting not in ("layer", "module"):

@@ -71,7 +71,8 @@ GPU_KINDS: dict[str, GpuKind] = {
 # (4,717,699,584 parameters), micro 4 with none checkpointed, took 0.863 s per optimizer step at
 # accumulation 1 (median of 5 launches, benchmarks/results/steady-h200x1-20261204) and 6.191 s at 8
 # (median of 7, steady-h200x1-20261204-g32): a micro-step of 0.762 s and an optimizer step of 0.101 s,
-# 103 bytes per parameter at 4.8 TB/s (the ideal pass of AdamW, its casts and the norm is about 40).
+# 103 bytes per parameter at 4.8 TB/s (by our count one ideal pass of AdamW, its casts and the norm
+# moves about 40: the step runs at about 40 % of the rated bandwidth).
 OPTIMIZER_BYTES_PER_PARAM = 103.0
 
 
@@ -164,7 +165,7 @@ class ComputePlan:
 def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) -> tuple[float, str]:
     """The MFU used for this kind, loss path and plan, and where it comes from.
 
-    A fetch unit without a measurement of its own takes the method's by module (scaled by that unit's
+    A fetch unit without a measurement of its own takes the method's by module (scaled by the module
     costs); a method without one takes full fine-tuning's figure, as it is.
     """
     point = MFU_MEASURED.get((kind.name, loss_path, plan.method, plan.fetch_unit))

@@ -3,9 +3,9 @@
 DeepSpeed installs a forward and a backward hook pair on every sub-module and gathers each one's
 weights on its own. A Qwen3 layer is 15 modules, and 85 once PEFT has wrapped its seven
 projections (each gains 10: ``base_layer``, ``lora_A``/``lora_B``, the dropout and their
-containers). On one H200 a
-LoRA step of the 8B shape spent about a fifth of its time with the GPU idle while the host ran
-those hooks (benchmarks/results/steady-h200x1-20261204). Marked as ZeRO-3 leaf modules
+containers). On one H200 a LoRA step of the 8B shape at micro 4 without checkpointing left the GPU
+idle 46 % of the time while the host ran those hooks, and 13 % by layer
+(benchmarks/results/fetchunit2-h200x1-20261204). Marked as ZeRO-3 leaf modules
 (``deepspeed.utils.set_z3_leaf_modules``), the layers are fetched whole in their pre-forward hook
 and released after, and their children get no hooks at all.
 
@@ -34,6 +34,6 @@ def fetch_by_layer(model) -> int:
         # A frozen embedding (LoRA) gives the first layer inputs that need no gradient. Its
         # backward hook then fires on the outputs instead (torch's full-backward-hook rule) and
         # ZeRO-3 releases the layer's weights while its backward still reads them ("size of tensor
-        # a (0) must match"). Layers recompute under checkpointing, which turns this on already.
+        # a (0) must match"). With checkpointing on, transformers has turned this on already.
         model.enable_input_require_grads()
     return len(set_z3_leaf_modules(model, sorted({type(layer) for layer in layers}, key=lambda t: t.__name__)))

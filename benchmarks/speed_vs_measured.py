@@ -61,7 +61,7 @@ class RecordedPlan(NamedTuple):
 
     @classmethod
     def of(cls, run: dict) -> RecordedPlan:
-        from orchestrator.planning.fetchunit import resolve_fetch_unit
+        from orchestrator.planning.speed.fetchunit import resolve_fetch_unit
 
         plan = run["plan"]
         layers = plan.get("decoder_layers", 18)

@@ -75,10 +75,15 @@ def _port_open(address: str, port: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket stays bound until all are picked. One at a time, a port
+    closed before the next bind can come back: a CI run had slurmdbd on slurmctld's port ("Address already
+    in use", and slurmdbd failing to unpack scontrol's ping)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class SlurmCluster:
@@ -221,7 +226,7 @@ class SlurmCluster:
         self._wait(lambda: self.munge_socket.exists(), 10, "munged's socket")
 
     def _write_conf(self) -> None:
-        self.ctld_port, self.slurmd_port, self.dbd_port, self.db_port = (_free_port() for _ in range(4))
+        self.ctld_port, self.slurmd_port, self.dbd_port, self.db_port = free_ports(4)
         nodes = [h.name for h in self.hosts.hosts]
         lines = [
             f"ClusterName={self.name}",

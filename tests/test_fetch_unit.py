@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from test_train import train
 
-from orchestrator.planning.fetchunit import offloads_params, resolve_fetch_unit
 from orchestrator.planning.memory.estimate import GIB, Choice, LoraShape, estimate
 from orchestrator.planning.memory.globalbatch import GlobalBatch, constrain
 from orchestrator.planning.memory.search import Allowed, Hardware, plan_memory
 from orchestrator.planning.shape import CATALOGUE, shape_from_config
 from orchestrator.planning.speed import recompute
+from orchestrator.planning.speed.fetchunit import offloads_params, resolve_fetch_unit
 from orchestrator.spec.job import LORA_DEFAULT_TARGETS
 from orchestrator.train.progress import read_events
 

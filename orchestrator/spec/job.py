@@ -357,7 +357,7 @@ class ZeroSpec(_Strict):
     # layer. ``module``: DeepSpeed's default, hooks on every sub-module (a LoRA layer has
     # 85, most of them tiny adapters), whose host time can leave the GPU idle. auto: layer
     # for LoRA, module for full fine-tuning and where the weights are offloaded
-    # (planning/fetchunit.py says why).
+    # (planning/speed/fetchunit.py says why).
     fetch_unit: Literal["auto", "layer", "module"] = "auto"
 
     @field_validator("nvme_path")

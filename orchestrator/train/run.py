@@ -35,8 +35,8 @@ from transformers import set_seed as hf_set_seed
 
 from ..errors import InputError
 from ..planning import dsconfig, fusedloss
-from ..planning.fetchunit import offloads_params, resolve_fetch_unit
 from ..planning.packing import resolve_packing
+from ..planning.speed.fetchunit import offloads_params, resolve_fetch_unit
 from ..planning.trackers import tracker_env
 from ..spec.job import LoadedJob
 from . import checkpoints, gang

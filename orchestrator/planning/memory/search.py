@@ -12,10 +12,10 @@ from typing import Any
 
 from ...spec.job import LoraSpec
 from ..dsconfig import Resolved
-from ..fetchunit import resolve_fetch_unit
 from ..fusedloss import FusedLoss
 from ..shape import ModelShape
 from ..speed import recompute
+from ..speed.fetchunit import resolve_fetch_unit
 from .estimate import (
     ALLOCATOR_MARGIN,
     GIB,
@@ -110,7 +110,7 @@ class MemoryPlan:
     speed: Any = None
     # The spec key that fixed the global batch (globalbatch.py); None: micro × accumulation × world, as it falls.
     global_batch_key: str | None = None
-    fetch_unit: str = "module"  # zero.fetch_unit, resolved (planning/fetchunit.py): what the costs were ranked by
+    fetch_unit: str = "module"  # zero.fetch_unit, resolved (planning/speed/fetchunit.py): what the costs were ranked by
 
     @property
     def nvme_step_s(self) -> float | None:

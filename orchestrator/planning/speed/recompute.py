@@ -27,7 +27,7 @@ C 5,940 tokens (every point within 2 %). LoRA r16 on all 7 projections, 36 layer
 rho 0.30, C 5,380; its steps at micro 2 and 4 do not shrink with the micro-batch (2.0 s without
 checkpointing, 2.5 s with half the layers, 3.0 s with all), a floor of about 28,000 token-times.
 
-LoRA with each decoder layer one ZeRO-3 fetch unit (``zero.fetch_unit: layer``, planning/fetchunit.py)
+LoRA with each decoder layer one ZeRO-3 fetch unit (``zero.fetch_unit: layer``, planning/speed/fetchunit.py)
 has a cost model of its own: one hook pair per layer instead of 85, so no floor. Fitted the same way to
 the grid of ``benchmarks/results/fetchunit2-h200x1-20261204/recompute-lora-grid-lora-layer.json``
 (36 layers, micro 2 to 8, N = 0, 6, 14, 36; 14 points, worst within 5.6 %): rho 0.61, C 6,720. Its

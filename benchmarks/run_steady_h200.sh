@@ -55,22 +55,17 @@ launch() {  # NAME LIMIT_S ARGS...: one configuration through useful_tokens_h200
         --budget-s 300 --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
-profile() {  # NAME LIMIT_S ARGS...: recompute_h200.py, one point, then one profiled step of it
-    name=$1 limit=$2; shift 2
-    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
-    t0=$(date +%s)
-    (cd "$HERE" && RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout "$limit" \
-        python3 benchmarks/recompute_h200.py "$@" --first-fit --profile --tag="-$name" --out "$RES") \
-        > "$RES/$name.log" 2>&1
-    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
-}
-grid() {  # NAME LIMIT_S ARGS...: recompute_h200.py's grid, recompute-lora-NAME.json with its fit
+recompute() {  # NAME LIMIT_S ARGS...: benchmarks/recompute_h200.py, its JSON (and profile) tagged -NAME
     name=$1 limit=$2; shift 2
     if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
     t0=$(date +%s)
     (cd "$HERE" && RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout "$limit" \
         python3 benchmarks/recompute_h200.py "$@" --tag="-$name" --out "$RES") > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
+profile() {  # NAME LIMIT_S ARGS...: one point of recompute_h200.py, then one profiled step of it
+    name=$1 limit=$2; shift 2
+    recompute "$name" "$limit" "$@" --first-fit --profile
 }
 G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 for task in $TASKS; do
@@ -96,7 +91,7 @@ for task in $TASKS; do
         prof-lora-nockpt-module) profile "$task" 100 --lora --layers 36 --micro 4 --checkpointed 0 --steps 3 ;;
         prof-lora-nockpt-layer) profile "$task" 100 --lora --layers 36 --micro 4 --checkpointed 0 --steps 3 \
             --fetch-unit layer ;;
-        grid-lora-layer) grid "$task" 260 --lora --layers 36 --micro 2,4,6,8 --checkpointed 0,6,14,all \
+        grid-lora-layer) recompute "$task" 260 --lora --layers 36 --micro 2,4,6,8 --checkpointed 0,6,14,all \
             --budget-s 200 --fetch-unit layer ;;
         *) echo "$task: unknown task" ;;
     esac

@@ -91,7 +91,6 @@ def predicted_and_measured(run: dict) -> tuple[float, float, str]:
     from orchestrator.planning.shape import CATALOGUE, shape_from_config
     from orchestrator.planning.speed.communication import Layout, Links, ZeroSettings
     from orchestrator.planning.speed.steptime import GPU_KINDS, ComputePlan, compute_rate, optimizer_seconds, predict
-    from orchestrator.planning.speed.zerochoice import trained_numels
     from orchestrator.spec.job import LORA_DEFAULT_TARGETS
 
     plan = RecordedPlan.of(run)
@@ -100,7 +99,8 @@ def predicted_and_measured(run: dict) -> tuple[float, float, str]:
     h200 = GPU_KINDS["H200"]
     compute = ComputePlan(plan.method, plan.micro, plan.checkpointed, plan.layers, SEQ, plan.fetch_unit)
     # Every launch's LoRA was r 16 on the 7 projections (useful_tokens_h200.py's job, the spec's defaults).
-    adapters = trained_numels(shape, LoraShape(16, LORA_DEFAULT_TARGETS, 0.0) if plan.method == "lora" else None)
+    lora = LoraShape(16, LORA_DEFAULT_TARGETS, 0.0)
+    trained = lora.adapter_params(shape) if plan.method == "lora" else shape.total_params
     step = predict(
         shape,
         tokens=plan.micro * SEQ,
@@ -112,7 +112,7 @@ def predicted_and_measured(run: dict) -> tuple[float, float, str]:
         param_bytes=2,
         grad_bytes=2,
         accumulation=plan.accumulation,
-        optimizer_s=optimizer_seconds(h200, sum(adapters) if adapters else shape.total_params),
+        optimizer_s=optimizer_seconds(h200, trained),
     )
     assert step.comm_s == 0.0 and step.bound == "compute"
     measured = run.get("median_step_s") or statistics.median(
@@ -121,25 +121,42 @@ def predicted_and_measured(run: dict) -> tuple[float, float, str]:
     return step.optimizer_step_s, measured, plan.method
 
 
-def by_configuration(results: Path) -> dict[tuple[str, str], tuple[float, list[float]]]:
+class Prediction(NamedTuple):
+    """One committed launch, re-predicted: its plan in words, and today's model against the measured step."""
+
+    name: str
+    method: str
+    plan: str
+    predicted: float
+    measured: float
+
+
+def predictions(results: Path) -> list[Prediction]:
+    found = []
+    for name, run in one_h200_launches(results):
+        predicted, measured, method = predicted_and_measured(run)
+        found.append(Prediction(name, method, RecordedPlan.of(run).words(), predicted, measured))
+    return found
+
+
+def grouped(rows: list[Prediction]) -> dict[tuple[str, str], tuple[float, list[float]]]:
     """(method, plan words) -> (predicted step s, the measured step s of each launch of that configuration)."""
     found: dict[tuple[str, str], tuple[float, list[float]]] = {}
-    for _, run in one_h200_launches(results):
-        predicted, measured, method = predicted_and_measured(run)
-        found.setdefault((method, RecordedPlan.of(run).words()), (predicted, []))[1].append(measured)
+    for row in rows:
+        found.setdefault((row.method, row.plan), (row.predicted, []))[1].append(row.measured)
     return found
 
 
 def print_model_table(results: Path) -> None:
     print("| launch | method | plan | predicted step s | measured median step s | predicted vs measured |")
     print("|---|---|---|---|---|---|")
+    rows = predictions(results)
     errors = []
-    for name, run in one_h200_launches(results):
-        predicted, measured, method = predicted_and_measured(run)
-        errors.append((method, predicted / measured - 1))
+    for row in rows:
+        errors.append((row.method, row.predicted / row.measured - 1))
         print(
-            f"| {name} | {method} | {RecordedPlan.of(run).words()} | "
-            f"{predicted:.3f} | {measured:.3f} | {100 * errors[-1][1]:+.1f}% |"
+            f"| {row.name} | {row.method} | {row.plan} | "
+            f"{row.predicted:.3f} | {row.measured:.3f} | {100 * errors[-1][1]:+.1f}% |"
         )
     for method in ("full", "lora"):
         mine = [e for m, e in errors if m == method]
@@ -153,7 +170,7 @@ def print_model_table(results: Path) -> None:
     print("\n| method | plan | launches | predicted step s | measured step s, median (min-max) | predicted vs median |")
     print("|---|---|---|---|---|---|")
     within = total = 0
-    for (method, words), (predicted, measured) in by_configuration(results).items():
+    for (method, words), (predicted, measured) in grouped(rows).items():
         median = statistics.median(measured)
         error = predicted / median - 1
         total += 1

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from test_train import train
 
+from orchestrator.planning.dsconfig import offload_of
 from orchestrator.planning.memory.estimate import GIB, Choice, LoraShape, estimate
 from orchestrator.planning.memory.globalbatch import GlobalBatch, constrain
 from orchestrator.planning.memory.search import Allowed, Hardware, plan_memory
 from orchestrator.planning.shape import CATALOGUE, shape_from_config
 from orchestrator.planning.speed import recompute
-from orchestrator.planning.speed.fetchunit import offloads_params, resolve_fetch_unit
+from orchestrator.planning.speed.fetchunit import resolve_fetch_unit
 from orchestrator.spec.job import LORA_DEFAULT_TARGETS
 from orchestrator.train.progress import read_events
 
@@ -62,9 +63,10 @@ def test_auto_is_layer_for_lora_and_module_for_full_fine_tuning():
         resolve_fetch_unit("block", "lora")
     # Weights offloaded to host RAM or NVMe: nothing measured by layer, DeepSpeed's default stays.
     assert resolve_fetch_unit("auto", "lora", offload_param=True) == "module"
-    assert offloads_params({"zero_optimization": {"offload_param": {"device": "nvme"}}})
-    assert not offloads_params({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
-    assert not offloads_params({"zero_optimization": {"offload_param": {"device": "none"}}})
+    # What the trainer reads from its ds_config to decide it (dsconfig.offload_of's second answer).
+    assert offload_of({"zero_optimization": {"offload_param": {"device": "nvme"}}})[1]
+    assert not offload_of({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})[1]
+    assert not offload_of({"zero_optimization": {"offload_param": {"device": "none"}}})[1]
 
 
 def _lora_plan(fetch_unit: str, rows: int | None):

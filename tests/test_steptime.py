@@ -163,16 +163,13 @@ def test_one_h200_predicted_step_against_every_committed_launch():
     """
     script = _speed_vs_measured()
     results = REPO / "benchmarks" / "results"
-    launches = script.one_h200_launches(results)
-    assert len(launches) == 46
-    errors = {}
-    for name, run in launches:
-        predicted, measured, method = script.predicted_and_measured(run)
-        errors[name] = (method, predicted / measured - 1)
+    rows = script.predictions(results)
+    assert len(rows) == 46
+    errors = {row.name: (row.method, row.predicted / row.measured - 1) for row in rows}
     for name, (method, error) in errors.items():
         assert abs(error) <= (0.15 if method == "full" else 0.20), (name, error)
     assert sum(abs(e) <= 0.15 for _, e in errors.values()) == 44
-    configurations = script.by_configuration(results)
+    configurations = script.grouped(rows)
     assert len(configurations) == 12
     for key, (predicted, measured) in configurations.items():
         assert abs(predicted / statistics.median(measured) - 1) <= 0.15, key

@@ -36,7 +36,7 @@ from transformers import set_seed as hf_set_seed
 from ..errors import InputError
 from ..planning import dsconfig, fusedloss
 from ..planning.packing import resolve_packing
-from ..planning.speed.fetchunit import offloads_params, resolve_fetch_unit
+from ..planning.speed.fetchunit import resolve_fetch_unit
 from ..planning.trackers import tracker_env
 from ..spec.job import LoadedJob
 from . import checkpoints, gang
@@ -657,7 +657,8 @@ def train(
         if ranks.rank == 0:
             trainable, total = lora.trainable_summary(model)
             print(f"dzctl-train: LoRA: {trainable:,} of {total:,} parameters train", flush=True)
-    if resolve_fetch_unit(spec.zero.fetch_unit, spec.train.method, offloads_params(settings.ds_config)) == "layer":
+    _, params_offloaded = dsconfig.offload_of(settings.ds_config)
+    if resolve_fetch_unit(spec.zero.fetch_unit, spec.train.method, params_offloaded) == "layer":
         leaves = fetchunit.fetch_by_layer(model)
         if ranks.rank == 0:
             print(f"dzctl-train: ZeRO-3 fetches by decoder layer ({leaves} leaf modules; zero.fetch_unit)", flush=True)

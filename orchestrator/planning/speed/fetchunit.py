@@ -20,7 +20,7 @@ launch`` (``benchmarks/results/fetchunit-h200x1-20261204/`` and ``fetchunit2-h20
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 FetchUnit = Literal["layer", "module"]
 
@@ -32,10 +32,3 @@ def resolve_fetch_unit(setting: str, method: str, offload_param: bool = False) -
     if setting not in ("layer", "module"):
         raise ValueError(f"zero.fetch_unit must be auto, layer or module, not {setting!r}")
     return setting  # type: ignore[return-value]
-
-
-def offloads_params(ds_config: dict[str, Any]) -> bool:
-    """Whether a DeepSpeed config keeps the weights off the GPUs (``offload_param`` to cpu or nvme)."""
-    zero = ds_config.get("zero_optimization")
-    offload = zero.get("offload_param") if isinstance(zero, dict) else None
-    return isinstance(offload, dict) and offload.get("device", "none") not in ("none", None)

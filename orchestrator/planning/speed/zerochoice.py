@@ -135,8 +135,7 @@ def choose_zero(
             "prediction (it is a lower bound on the step time)"
         )
     p = 2 if plan.precision in ("bf16", "fp16") else 4
-    grad_numels = trained_numels(shape, lora)
-    trained = sum(grad_numels) if grad_numels is not None else shape.total_params
+    grad_numels = _trained_numels(shape, lora)
     world = layout.nodes * layout.gpus_per_node
 
     def run(hpz: int, buckets: Buckets, candidate: MemoryPlan) -> StepTime:
@@ -156,7 +155,9 @@ def choose_zero(
             checkpointing=plan.choice.gradient_checkpointing,
             accumulation=candidate.gradient_accumulation_steps,
             # An offloaded optimizer steps on the CPU: not timed (the plan says so).
-            optimizer_s=0.0 if candidate.choice.offload_optimizer else optimizer_seconds(gpu, trained / world),
+            optimizer_s=0.0
+            if candidate.choice.offload_optimizer
+            else optimizer_seconds(gpu, plan.estimate.trainable_params / world),
         )
 
     default = plan.buckets
@@ -264,8 +265,7 @@ def _buckets(default: Buckets, m: int, reduce: int | None, prefetch: int | None)
     )
 
 
-def trained_numels(shape: ModelShape, lora: LoraShape | None) -> list[int] | None:
-    """The trained tensors' sizes: LoRA's A and B of every adapted projection; None: every weight."""
+def _trained_numels(shape: ModelShape, lora: LoraShape | None) -> list[int] | None:
     if lora is None:
         return None
     per_layer = [lora.r * fan_in for fan_in, _ in lora.adapted(shape).values()]

@@ -22,7 +22,14 @@ from ..runtimes.control import (
     stop_argv,
 )
 from ..transport.pool import HostPool
-from .rankfailure import before_launcher_report, errors_in_log, rank_details, torchrun_root_cause
+from .rankfailure import (
+    before_launcher_report,
+    errors_in_log,
+    killed_outright,
+    rank_details,
+    torchrun_failures,
+    torchrun_root_cause,
+)
 from .status import (
     GANG_LINE,
     JobStatus,
@@ -98,11 +105,17 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         found = lines.get(rank, [])
         # The trainer's own error event says it best (rank 0's record, else the node's own log);
         # else the rank's log; else the exit code.
-        event = error_event_on_node(errors, slots, rank) or error_event_on_node(errors_in_log(found), slots, rank)
-        reason = event["reason"] if event else _error_line(before_launcher_report(found))
+        logged = errors_in_log(found)
+        event = error_event_on_node(errors, slots, rank) or error_event_on_node(logged, slots, rank)
+        # A rank of this node killed outright comes before the reports of the peers that lost it.
+        reported = {e["rank"] for e in [*errors, *logged] if isinstance(e.get("rank"), int)}
+        killed = killed_outright(torchrun_failures(found), reported)
+        reason = (
+            killed["reason"] if killed else event["reason"] if event else _error_line(before_launcher_report(found))
+        )
         if reason:
             reasons[rank] = reason
-        details[rank] = rank_details(event, torchrun_root_cause(found))
+        details[rank] = killed or rank_details(event, torchrun_root_cause(found))
     state = derive_state(record.state, nodes)
     return JobStatus(
         job=record.name,

@@ -72,6 +72,65 @@ def torchrun_root_cause(lines: list[str]) -> dict | None:
     return cause if "exit_code" in cause else None
 
 
+_SUMMARY_ENTRY = re.compile(r"^\s*\[\d+\]:\s*$")
+_SUMMARY_RULE = re.compile(r"^\s*={10,}\s*$")
+# torchrun's closing signal to the ranks still running once one failed (its --start-method's
+# processes get SIGTERM, then SIGKILL after a grace): a rank it ended did not fail by itself.
+TORCHRUN_STOP_SIGNAL = 15
+SIGNAL_NAMES = {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+
+
+def torchrun_failures(lines: list[str]) -> list[dict]:
+    """Every rank torchrun's last failure summary lists: ``{"rank", "exitcode", "root"}``, in its order.
+
+    ``exitcode`` is torchrun's (``-N`` for a death by signal N); ``root`` marks its "Root Cause",
+    which is only the earliest by one-second timestamps: a rank killed outright and the rank whose
+    collective then failed often share the second, and the tie goes to the lower rank.
+    """
+    root_at = max((i for i, line in enumerate(lines) if _ROOT_CAUSE in line), default=None)
+    if root_at is None:
+        return []
+    start = max((i for i in range(root_at) if _SUMMARY_RULE.match(lines[i])), default=0)
+    end = next((i for i in range(root_at + 1, len(lines)) if _SUMMARY_RULE.match(lines[i])), len(lines))
+    failures: list[dict] = []
+    for i in range(start, end):
+        if _SUMMARY_ENTRY.match(lines[i]):
+            failures.append({"root": i > root_at})
+        elif failures and (rank := _SUMMARY_RANK.match(lines[i])):
+            failures[-1].setdefault("rank", int(rank.group(1)))
+        elif failures and (code := _SUMMARY_EXIT.match(lines[i])):
+            failures[-1].setdefault("exitcode", int(code.group(1)))
+    return [f for f in failures if "rank" in f and "exitcode" in f]
+
+
+def killed_outright(failures: list[dict], reported_ranks: set[int]) -> dict | None:
+    """The node's rank that died first by its own death, where that is a signal and not an error it raised.
+
+    When one rank of a node is killed (SIGKILL: the OOM killer, a kill), its peers' collectives
+    fail after it ("Connection reset by peer") and they report that error: the rank that raised
+    reports, the killed one cannot. So a rank that torchrun saw die by a signal, that wrote no error
+    event of its own (``reported_ranks``), and that torchrun did not stop itself (its SIGTERM to the
+    survivors), failed before the ranks that reported, whatever torchrun's one-second root cause
+    says. Returns what first_failure reports of it (``rank``, ``exit_code`` as a shell says it,
+    ``reason``, ``message``), or None when no such rank is listed.
+    """
+    killed = [
+        f
+        for f in failures
+        if f["exitcode"] < 0 and -f["exitcode"] != TORCHRUN_STOP_SIGNAL and f["rank"] not in reported_ranks
+    ]
+    if not killed:
+        return None
+    first = min(killed, key=lambda f: (not f["root"], f["rank"]))
+    number = -first["exitcode"]
+    name = SIGNAL_NAMES.get(number, f"signal {number}")
+    text = (
+        f"killed by signal {number} ({name}) without an error of its own (the kernel's OOM killer, "
+        "a kill, or a lost node); the other ranks' errors followed it"
+    )
+    return {"rank": first["rank"], "exit_code": rank_exit_code(first["exitcode"]), "reason": text, "message": text}
+
+
 def before_launcher_report(lines: list[str]) -> list[str]:
     """The lines before torchrun's own traceback: its ``ChildFailedError`` and summary only repeat the rank."""
     failed_at = next((i for i in range(len(lines) - 1, -1, -1) if CHILD_FAILED in lines[i]), None)

@@ -13,7 +13,7 @@ from rich.console import Console
 from ..backends import launcher
 from ..backends.fleet import SshFleet
 from ..backends.recovery import supervisor as recovery
-from ..errors import RuntimeFailure, SpecError
+from ..errors import InputError, RuntimeFailure, SpecError
 from ..observe.rankfailure import failure_lines
 from ..observe.store import JobStore
 from ..planning.launchplan import LaunchPlan, shell_line
@@ -111,6 +111,7 @@ def launch_command(
     if dry_run:
         hardware = hardware_for(nodes, gpu_mem_gib, host_mem_gib)
         checked = launcher.dry_run(job, nodes, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=hardware.host_mem_gib)
+        require_known_host_ram(checked.memory)
         click.echo(json.dumps(checked.to_dict(), indent=2) if as_json else render_dry_run(checked))
         return
     options = launcher.LaunchOptions(
@@ -180,6 +181,23 @@ def follow_restarts(lineage, status, store, progress, ssh_config, trust_new_host
     return status
 
 
+def require_known_host_ram(memory) -> None:
+    """A dry run whose plan offloads to host RAM it was not told: not a success (exit 2, naming --host-mem-gib).
+
+    As for GPU memory: the launch reads each node's RAM in preflight and refuses a plan that
+    does not fit it; a dry run that has no RAM to check the offloaded states against cannot say
+    the launch would run (72B on 2 × 4 A100-40GB needs 704 GiB per node).
+    """
+    if memory.hardware.host_mem_gib is not None or not memory.fits or memory.choice.offload == "none":
+        return
+    needed = max(memory.host_per_node) / 2**30
+    raise InputError(
+        f"the plan offloads to host RAM (offload {memory.choice.offload}: {needed:.2f} GiB per node), "
+        "and the nodes' RAM is not known: the dry run cannot say it fits",
+        fix="give --host-mem-gib N (each node's RAM in GiB, as `free -g` shows it), as for --gpu-mem-gib",
+    )
+
+
 def refuse_recovery_on_slurm(job) -> None:
     """Slurm jobs have no supervisor yet: a restart policy there would be silently ignored."""
     for key in ("restart", "notify"):
@@ -234,7 +252,10 @@ def job_failed(job_id: str, state: str, failure: dict | None, *, shown_above: bo
 def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json: bool) -> None:
     """``launch --slurm``: print the batch script, or submit it and (with --follow) wait for the job."""
     from ..backends.slurm import backend as slurm
+    from ..backends.slurm.values import unshared_defaults
 
+    for warning in unshared_defaults(job, request.python, request.container):
+        click.echo(f"warning: {warning}", err=True)
     if dry_run:
         # The same local checks and memory plan as the submission (on slurm.gpu_mem_gib), nothing submitted.
         prepared = launcher.prepare_slurm(job, request)

@@ -65,13 +65,30 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
 HUB_PREFIX = "hf:"
 
 
-def _check_columns(columns: dict[str, str], fmt: str) -> None:
+class KeyedValueError(ValueError):
+    """A section's check that concerns one of its keys: the error is located at that key, not the section.
+
+    A section's own validator (``data``) is reported by pydantic at the section; a problem with
+    ``data.columns`` must name ``data.columns``'s line, or the ``--set data.columns=...`` it came from.
+    """
+
+    def __init__(self, key: KeyPath, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _check_columns(columns: dict[str, str], fmt: str, key: KeyPath | None = None) -> None:
+    """``columns`` against the fields of ``fmt``; ``key``: where they were written, relative to the section."""
     known = FORMAT_FIELDS[fmt]
+
+    def refused(problem: str) -> ValueError:
+        return KeyedValueError(key, problem) if key is not None else ValueError(f"columns: {problem}")
+
     for name, column in columns.items():
         if name not in known:
-            raise ValueError(f"columns: {name!r} is not a field of format {fmt} (its fields: {', '.join(known)})")
+            raise refused(f"{name!r} is not a field of format {fmt} (its fields: {', '.join(known)})")
         if not column:
-            raise ValueError(f"columns: {name!r} maps to an empty column name")
+            raise refused(f"{name!r} maps to an empty column name")
 
 
 class DataSource(_Strict):
@@ -160,12 +177,13 @@ class DataSpec(_Strict):
                 else "data.path is missing: give data.path (one data set) or data.sources (a list of them)"
             )
         if self.path == SYNTHETIC_DATA and (self.columns or self.max_rows):
-            raise ValueError("synthetic:random takes neither columns nor max_rows")
-        _check_columns(self.columns, self.format)
-        for source in self.sources or ():
+            key = "columns" if self.columns else "max_rows"
+            raise KeyedValueError((key,), "synthetic:random takes neither columns nor max_rows")
+        _check_columns(self.columns, self.format, ("columns",))
+        for index, source in enumerate(self.sources or ()):
             if source.path == SYNTHETIC_DATA:
                 raise ValueError("synthetic:random is a data.path of its own, not one of data.sources")
-            _check_columns(source.columns or {}, source.format or self.format)
+            _check_columns(source.columns or {}, source.format or self.format, ("sources", index, "columns"))
         if self.eval_split is not None and self.eval is not None:
             raise ValueError("give data.eval_split (rows held out of the training data) or data.eval, not both")
         if self.eval_split is not None and self.synthetic:
@@ -663,6 +681,9 @@ def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[st
     messages = []
     for error in _one_per_key(exc.errors()):
         loc = _clean_loc(error["loc"])
+        keyed = (error.get("ctx") or {}).get("error")
+        if isinstance(keyed, KeyedValueError):  # a section's check about one of its keys: located at that key
+            loc = (*loc, *keyed.key)
         # A key is the user's text: one holding a line break must not split the message into lines.
         dotted = ".".join(printable(str(p)) for p in loc)
         if error["type"] == "extra_forbidden":

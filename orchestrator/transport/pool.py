@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +37,24 @@ from .results import GroupResult, Result
 from .sshconfig import DEFAULT_CONNECT_TIMEOUT, HostConfig, load_ssh_config, parse_jump, resolve_host
 
 log = logging.getLogger(__name__)
+
+
+def unresolved(config: HostConfig, reason: str, ssh_config: str | os.PathLike | None) -> RemoteError:
+    """A host whose name does not resolve: where the name came from (hostfile or HostName), and its fix."""
+    where = ssh_config or os.environ.get("DZCTL_SSH_CONFIG") or "~/.ssh/config"
+    if config.hostname != config.alias:
+        return RemoteError(
+            f"{config.alias}: the name {config.hostname} (HostName in the SSH config {where}) does not resolve: "
+            f"{reason}",
+            fix=f"correct HostName for {config.alias} in {where}, or add {config.hostname} to DNS or /etc/hosts",
+        )
+    return RemoteError(
+        f"{config.alias}: the host name {config.alias} (from the hostfile) does not resolve: {reason}",
+        fix=(
+            f"correct the name on the hostfile's line, give it an address in {where} (Host {config.alias} with "
+            f"HostName ADDRESS), or add {config.alias} to DNS or /etc/hosts"
+        ),
+    )
 
 
 class HostPool:
@@ -202,6 +221,10 @@ class HostPool:
                 f"{config.alias}: authentication as {config.user} at {where} failed: {exc}",
                 fix="check User and IdentityFile in the SSH config, or load the key into ssh-agent (ssh-add)",
             ) from None
+        except socket.gaierror as exc:
+            # The name never became an address: no packet left this machine, so sshd and ports are not the question.
+            client.close()
+            raise unresolved(config, exc.strerror or str(exc), self.ssh_config_path) from None
         except TimeoutError:
             client.close()
             raise RemoteError(

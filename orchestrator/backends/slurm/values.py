@@ -64,3 +64,28 @@ def check_job_paths(job: LoadedJob) -> None:
             f"job directory is written on the batch script's #SBATCH --output line, which cannot hold {shown}",
             fix="use one line of letters, digits, blanks and / _ . - + @ = , : (a shared path on every node)",
         )
+
+
+def unshared_defaults(job: LoadedJob, python: str, container: str) -> list[str]:
+    """What the batch script would take from a default that need not hold on a cluster: one warning each.
+
+    Under Slurm the job directory is read by every node and the allocation's steps run one
+    Python path on each; the defaults (a node-local folder, the submitting Python) are right on
+    one machine and silently wrong on most clusters. ``python``: the request's (the default's
+    value, when ``slurm.python`` is not set).
+    """
+    warnings = []
+    launch = job.spec.launch
+    if "remote_dir" not in launch.model_fields_set:
+        warnings.append(
+            f"launch.remote_dir is not set: the batch script uses the default {launch.remote_dir}, a folder local "
+            "to each node, but under Slurm the job directory must be one the submit host and every node share "
+            "(set launch.remote_dir to a shared path: home, scratch, NFS)"
+        )
+    if container != "pyxis" and (job.spec.slurm is None or job.spec.slurm.python is None):
+        # pyxis runs the image's own python3: the submitting Python is not written into the script.
+        warnings.append(
+            f"slurm.python is not set: the batch script runs this machine's Python, {python}, on every node; "
+            "it must exist at that path there, with dzctl installed (set slurm.python to the nodes' Python)"
+        )
+    return warnings

@@ -16,6 +16,7 @@ from ..backends.recovery.supervisor import end_supervisor
 from ..backends.slurm import backend as slurm_backend
 from ..backends.slurm.backend import is_slurm
 from ..errors import DzError, RuntimeFailure
+from ..observe.evidence import load_evidence, render_stacks
 from ..observe.hosts import fetch_outputs, gather_status, progress_history, stop_nodes, stream_logs, tracker_locations
 from ..observe.lines import predicted_text, speed_warning
 from ..observe.status import JobStatus
@@ -223,6 +224,12 @@ def render_status(status: JobStatus, ranks: dict[int, range] | None = None) -> s
         held = span(ranks[n.node_rank]) if n.node_rank in ranks else "-"
         oom = "yes" if n.oom_killed else "no"
         lines.append(f"{n.node_rank:<4} {n.host:24} {held:7} {n.state:11} {exit_code:5} {oom}")
+    if status.stall and status.stall.get("stalled"):
+        # One line each: the bound that applied, and who the ranks wait for (docs/recovery.md).
+        lines.append(status.stall["line"])
+        culprit = status.stall.get("culprit")
+        lines.append(culprit["line"] if culprit else "culprit: not named (every rank waits in the same collective)")
+        lines.append(f"stacks of every rank: dzctl logs {status.job_id} --stacks")
     if status.first_failure:
         f = status.first_failure
         held = f"ranks {span(ranks[f['node_rank']])}, " if f.get("node_rank") in ranks else ""
@@ -272,11 +279,25 @@ def restart_lines(restarts: dict | None) -> list[str]:
     default=None,
     help="Copy the job's progress.jsonl and tracker files (report_to) from rank 0's node into DIR.",
 )
+@click.option(
+    "--stacks",
+    is_flag=True,
+    help="The evidence of the job's last stall: each rank's state, what it blocks in, and its Python stack.",
+)
 @ssh_options
-def logs_command(job_ref, node, rank, follow, tail, fetch_dir, ssh_config, trust_new_hosts):
+def logs_command(job_ref, node, rank, follow, tail, fetch_dir, stacks, ssh_config, trust_new_hosts):
     """Every node's output, each line prefixed with its node rank and host (the raw stream)."""
     with JobStore() as store:
         record = store.get(job_ref)
+    if stacks:
+        evidence = load_evidence(record.job_id)
+        if evidence is None:
+            raise RuntimeFailure(
+                f"{record.job_id} has no stall evidence: it is taken when the job stalls (dzctl status says so)",
+                fix=f"dzctl status {record.job_id} (a stalled job's evidence is taken then)",
+            )
+        click.echo(render_stacks(evidence))
+        return
     chosen = selected_node(record.plan["nodes"], record.job_id, node, rank)
     if rank is not None:
         # A node's log holds all its ranks' lines: say which node that is.

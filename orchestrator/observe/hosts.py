@@ -22,6 +22,7 @@ from ..runtimes.control import (
     stop_argv,
 )
 from ..transport.pool import HostPool
+from .evidence import stall_of
 from .rankfailure import (
     before_launcher_report,
     errors_in_log,
@@ -117,6 +118,9 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
             reasons[rank] = reason
         details[rank] = killed or rank_details(event, torchrun_root_cause(found))
     state = derive_state(record.state, nodes)
+    stalled = stall_of(record, pool) if state == "running" else None
+    if stalled and stalled["stalled"]:
+        state = "stalled"  # every rank runs, none ends a step: the culprit is named (evidence.py)
     return JobStatus(
         job=record.name,
         job_id=record.job_id,
@@ -127,6 +131,7 @@ def gather_status(record: JobRecord, pool: HostPool) -> JobStatus:
         first_failure=first_failure(nodes, reasons, sequence, gang_stopped, details),
         preflight=record.preflight,
         speed=record.plan.get("speed"),
+        stall=stalled,
     )
 
 

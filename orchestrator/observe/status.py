@@ -31,7 +31,7 @@ class NodeStatus:
 class JobStatus:
     job: str
     job_id: str
-    state: str  # pending | running | succeeded | failed | stopped
+    state: str  # pending | running | stalled | succeeded | failed | stopped
     nodes: list[NodeStatus]
     progress: dict | None
     progress_age_s: float | None
@@ -42,6 +42,9 @@ class JobStatus:
     restarts: dict | None = None
     # The plan's predicted step (the record's plan["speed"]): status compares the measured rate with it.
     speed: dict | None = None
+    # A running job's stall verdict (observe/stall.py), with the culprit once stalled (evidence.py):
+    # state is then "stalled": every rank still runs, none has ended a step within the bound.
+    stall: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

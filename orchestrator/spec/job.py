@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from ..errors import SpecError
-from .recovery import NotifySpec, RestartSpec
+from .recovery import NotifySpec, RestartSpec, StallSpec
 from .yamlsource import KeyPath, LineMap, load_yaml_with_lines
 
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|KEY", re.IGNORECASE)
@@ -527,6 +527,7 @@ class JobSpec(_Strict):
     slurm: SlurmSpec | None = None  # launch through Slurm (sbatch) instead of over SSH to a hostfile
     restart: RestartSpec | None = None  # unattended restarts after a fault (backends/recovery)
     notify: NotifySpec | None = None  # a webhook told of failed / restarted / succeeded
+    stall: StallSpec = Field(default_factory=StallSpec)  # when running ranks count as hung (observe/stall.py)
 
 
 def parse_mount(mount: str) -> tuple[str, str, str]:

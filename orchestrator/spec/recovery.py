@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-RESTART_CAUSES = ("node-lost", "rank-failed", "nccl-timeout")
+RESTART_CAUSES = ("node-lost", "rank-failed", "nccl-timeout", "hang")
 NOTIFY_EVENTS = ("failed", "restarted", "succeeded")
 # ``${NAME}`` in the webhook URL: a secret of the job's env file (or a secret-named launch.env value).
 URL_SECRET = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -34,7 +34,7 @@ class RestartSpec(_Strict):
     """``restart: {max, on, backoff_s, spare_hosts, final_exit_codes}``: the supervisor's policy."""
 
     max: int = Field(3, ge=0, le=100)  # restarts, not attempts: max 3 is up to 4 runs
-    on: list[Literal["node-lost", "rank-failed", "nccl-timeout"]] = Field(
+    on: list[Literal["node-lost", "rank-failed", "nccl-timeout", "hang"]] = Field(
         default_factory=lambda: list(RESTART_CAUSES), min_length=1
     )
     # Seconds between the gang being down and the relaunch: a node that rebooted gets time to come back.
@@ -62,3 +62,33 @@ class NotifySpec(_Strict):
         default_factory=lambda: list(NOTIFY_EVENTS), min_length=1
     )
     timeout_s: float = Field(5.0, gt=0, le=30)  # bounded: a hung receiver must not hold the supervisor
+
+
+class StallSpec(_Strict):
+    """``stall:``: when a job whose ranks all run counts as hung (observe/stall.py applies it).
+
+    Training: no step has ended for ``multiple`` x the median of the recent steps, and at least
+    ``floor_s`` (a short step must not trip it on a GC pause or a slow log write). Before the
+    first step, and in the phases that are not steps, a bound of their own: ``first_step_s``
+    (or ``multiple`` x the plan's predicted step when longer), ``data_build_s``, ``model_load_s``,
+    ``save_s`` (a checkpoint, the consolidated model, an evaluation).
+    """
+
+    multiple: float = Field(10.0, ge=3, le=1000)  # below 3 a step that triples would read as a hang
+    floor_s: float = Field(180.0, ge=5, le=86400)
+    first_step_s: float = Field(900.0, ge=5, le=86400)
+    data_build_s: float = Field(3600.0, ge=5, le=86400)
+    model_load_s: float = Field(1800.0, ge=5, le=86400)
+    save_s: float = Field(1800.0, ge=5, le=86400)
+
+
+# Where each rank's evidence lives on its node: ``<output_dir>/dzctl-ranks/<job id>/``, beside the
+# checkpoints (the output dir is writable by the ranks under both runtimes, and mounted at the same
+# path in a container, so the controller reads it over SSH as the ranks wrote it). The trainer writes
+# there (train/hang/stacks.py), the controller reads it (observe/evidence.py).
+RANK_FILES_DIR = "dzctl-ranks"
+PULSE_FILE = "pulse.json"  # rank 0: the phase, the last step's end and the recent step times
+
+
+def rank_files_dir(output_dir: str, job_id: str) -> str:
+    return f"{output_dir.rstrip('/')}/{RANK_FILES_DIR}/{job_id}"

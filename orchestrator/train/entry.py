@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         from .environment import cuda_arch_default, early_defaults, quiet_known_warnings
 
         early_defaults(loaded.spec.accelerator)
+        from .hang import stacks  # before torch: the flight recorder reads its variables at import
+
+        stacks.start_pulse(stacks.prepare(output_dir, loaded.spec.accelerator), _rank())
         quiet_known_warnings()
         from . import run  # torch, transformers, deepspeed: only now
 

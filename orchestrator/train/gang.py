@@ -14,6 +14,15 @@ or without a dzctl process attached, because the nodes watch each other:
 
 Counters rather than timestamps: nodes' clocks may differ; each watcher only
 compares a counter against its own monotonic clock.
+
+The heartbeat says the node's rank *exists*, not that it makes progress: in a training job it
+comes from a small forked child of local rank 0 (``dzctl-heartbeat``), which beats while its
+parent is there, stopped or not. A rank that is alive but stuck (SIGSTOPped, in uninterruptible
+I/O, blocked in a read, waiting in a collective a peer never joins) is a hang, not a lost node:
+stall detection (observe/stall.py) finds it, takes every rank's stack first, then names the
+culprit. Were the beat in the rank itself, a stopped rank would silence it, and the others would
+end their nodes after STALE_S, before anyone could look. A node that freezes whole, or whose
+network is cut, stops the child too: still a lost node.
 """
 
 from __future__ import annotations
@@ -65,8 +74,9 @@ LAUNCHER_PID = os.getppid()
 
 
 class Watchdog:
-    def __init__(self, store, job_key: str, node_rank: int, num_nodes: int) -> None:
+    def __init__(self, store, job_key: str, node_rank: int, num_nodes: int, beats: bool = True) -> None:
         self.store = store
+        self.beats = beats  # False: a heartbeat child beats for this node (start_heartbeat_child)
         self.prefix = f"dzctl/gang/{job_key}"
         self.node_rank = node_rank
         self.num_nodes = num_nodes
@@ -122,12 +132,13 @@ class Watchdog:
             self._heartbeat_only()
 
     def _heartbeat_only(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while self.beats and not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(*STORE_ERRORS):
                 self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
 
     def _check_once(self, seen: dict[int, tuple[int, float]], done: set[int], now: float) -> None:
-        self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
+        if self.beats:
+            self.store.add(f"{self.prefix}/hb/{self.node_rank}", 1)
         if self.store.add(f"{self.prefix}/failures", 0) > 0:
             why = self.store.get(f"{self.prefix}/failed").decode(errors="replace")
             self._abort(f"another node failed ({why})")
@@ -179,23 +190,64 @@ def start_watchdog() -> Watchdog | None:
     num_nodes = int(os.environ.get("DZCTL_NUM_NODES", "1"))
     if num_nodes < 2 or int(os.environ.get("LOCAL_RANK", "0")) != 0 or _watchdog is not None:
         return None
+    job_key = os.environ.get("DZCTL_JOB_ID", "job")
+    node_rank = int(os.environ.get("DZCTL_NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+    child = start_heartbeat_child(f"dzctl/gang/{job_key}/hb/{node_rank}")
+    _watchdog = Watchdog(_client(), job_key, node_rank, num_nodes, beats=child is None)
+    _watchdog.start()
+    return _watchdog
+
+
+def _client():
     from torch.distributed import TCPStore
 
-    store = TCPStore(
+    return TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
         timeout=timedelta(seconds=10),
         wait_for_workers=False,
     )
-    _watchdog = Watchdog(
-        store,
-        os.environ.get("DZCTL_JOB_ID", "job"),
-        int(os.environ.get("DZCTL_NODE_RANK", os.environ.get("GROUP_RANK", "0"))),
-        num_nodes,
-    )
-    _watchdog.start()
-    return _watchdog
+
+
+HEARTBEAT_COMM = b"dzctl-heartbeat"  # its name in ps and /proc/PID/comm (runtimes/rankprobe.py skips it)
+
+
+def start_heartbeat_child(key: str) -> int | None:
+    """Fork the process that bumps ``key`` every HEARTBEAT_S while this rank exists; its pid (None: no fork).
+
+    From the main thread, which lives as long as the rank: the child asks the kernel for SIGKILL
+    when its parent ends (PR_SET_PDEATHSIG) and also checks its parent each beat, so it never
+    outlives the rank. It closes every descriptor it inherited (the process group's sockets: a
+    peer must see this rank's connections close when it dies) and opens its own store client. It
+    touches nothing else of the parent: no CUDA, no collective, no Python logging.
+    """
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        return None  # no fork: the watchdog thread beats, as before
+    if pid:
+        return pid
+    try:  # the child
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc.prctl(15, ctypes.c_char_p(HEARTBEAT_COMM), 0, 0, 0)  # PR_SET_NAME
+        if os.getppid() != parent:
+            os._exit(0)  # the parent ended before the death signal was armed
+        os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536)
+        store = None
+        while os.getppid() == parent:
+            try:  # a store that is gone for good: the parent's watchdog sees it and ends the node
+                store = store or _client()
+                store.add(key, 1)
+            except STORE_ERRORS:
+                store = None
+            time.sleep(HEARTBEAT_S)
+    finally:
+        os._exit(0)
 
 
 def finish() -> None:

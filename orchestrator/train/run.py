@@ -45,6 +45,7 @@ from .data.collate import PackedCollator
 from .data.tokenizer import load_tokenizer
 from .datasets import data_summary, load_dataset  # noqa: F401 (data_summary: the data lines, for tests)
 from .evaluation.runner import EvalRunner, forward_kwargs
+from .hang import stacks
 from .model import attention, checkpointing, fetchunit, lora, loss
 from .progress import ProgressLog, finite
 from .savetimer import save_callbacks
@@ -286,9 +287,13 @@ class DzTrainer(Trainer):
     eval_runner: EvalRunner | None = None  # with eval data: dzctl's per-token eval (evaluation/runner.py)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-        if self.eval_runner is None:
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-        return self.eval_runner.run(self)
+        stacks.pulse().phase("eval")  # an eval is no step: its own bound (observe/stall.py)
+        try:
+            if self.eval_runner is None:
+                return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            return self.eval_runner.run(self)
+        finally:
+            stacks.pulse().resume_steps()
 
     def save_model(self, output_dir=None, _internal_call=False):
         if self.lora_base_name is None:
@@ -318,11 +323,13 @@ class DzTrainer(Trainer):
             torch.distributed.barrier()
         # A save that fails (a full disk above all) must not leave a half-written
         # checkpoint-N beside the good ones: see checkpoints.save_failed.
+        stacks.pulse().phase("save")
         try:
             super()._save_checkpoint(model, trial)
         except Exception as exc:
             traceback.print_exc()  # the original failure, for the rank's log
             raise checkpoints.save_failed(path, exc) from exc
+        stacks.pulse().resume_steps()
 
 
 class ProgressCallback(TrainerCallback):
@@ -366,6 +373,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.last_end = time.perf_counter()
+        stacks.pulse().phase("first-step")
         if model is not None and self.checkpointed_layers is not None:
             # The Trainer has enabled checkpointing on every layer; keep it on the first N only.
             checkpointing.checkpoint_first(model, self.checkpointed_layers)
@@ -392,6 +400,7 @@ class ProgressCallback(TrainerCallback):
             self.last_processed_rate = processed / elapsed
             self.tokens_at_last_end, self.samples_at_last_end = trainer.tokens_seen, trainer.samples_seen
             self.processed_at_last_end = trainer.processed_seen
+        stacks.pulse().step_ended(state.global_step, self.step_times[-1] if self.step_times else None)
         self.last_end = now
         if self.save and state.global_step >= state.max_steps:
             # The end always gets a resumable checkpoint, whatever save_steps says.
@@ -609,6 +618,9 @@ def train(
     finished = checkpoints.finished_run(start, spec.train.max_steps, spec.train.epochs, model_here=ranks.rank == 0)
     if finished is not None:
         return _already_complete(finished, ranks, log)
+    from .environment import announce_op_builds
+
+    announce_op_builds()  # a DeepSpeed op's JIT build (cpu_adam: minutes) says what it builds and its seconds
     settings = resolve_settings(loaded, ranks, ds_config_path, output_dir)
     universal = (spec.zero.overrides.get("checkpoint") or {}).get("load_universal") is True
     resume = checkpoints.check_resume(
@@ -646,6 +658,7 @@ def train(
         how = f"continued from step {resume.step}" if resume else "new"
         print(f"dzctl-train: checkpoint line {lineage} ({how}) in {output_dir}", flush=True)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
+    stacks.pulse().phase("model-load")
     packed = settings.packing and not spec.data.synthetic
     kernel = attention.choose_kernel() if packed else None
     model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
@@ -721,6 +734,7 @@ def train(
         if ranks.rank == 0:  # a 72B model takes minutes here: say so, for the watcher's view
             print(f"dzctl-train: consolidating the model into {final_dir} (gathering the ZeRO-3 shards)", flush=True)
         consolidating = time.perf_counter()
+        stacks.pulse().phase("save")
         trainer.save_model(str(final_dir))  # gathers the ZeRO-3 partitions (16-bit) on rank 0
         if ranks.rank == 0:
             tokenizer.save_pretrained(str(final_dir))
@@ -769,4 +783,5 @@ def train(
     if math.isnan(getattr(result, "training_loss", 0.0) or 0.0):
         raise RuntimeError("training loss is NaN")
     gang.finish()  # this node's part is done: its silence from now on is not a failure
+    stacks.pulse().phase("done")
     return final_dir

@@ -19,7 +19,7 @@ from ...errors import InputError
 from ...observe.status import GANG_EXIT_CODE, JobStatus, node_failed
 from ...spec.recovery import RestartSpec
 
-RESTARTABLE = frozenset({"node-lost", "rank-failed", "nccl-timeout"})
+RESTARTABLE = frozenset({"node-lost", "rank-failed", "nccl-timeout", "hang"})
 SIGKILL_EXIT = 137  # 128 + 9: docker kill, the node's OOM killer (flagged apart), a lost node's supervisor
 # A node whose state is one of these cannot be asked: the host is down, unreachable or its rank vanished.
 GONE_STATES = frozenset({"unreachable", "missing", "dead"})
@@ -35,7 +35,7 @@ _COLLECTIVE_TIMEOUT = re.compile(
 
 @dataclass(frozen=True)
 class Verdict:
-    cause: str  # node-lost | rank-failed | nccl-timeout | input-error | out-of-memory | final-exit-code
+    cause: str  # node-lost | rank-failed | nccl-timeout | hang | input-error | out-of-memory | final-exit-code
     restart: bool
     why: str  # one line: what happened, and why it is (not) restarted
 
@@ -44,7 +44,15 @@ class Verdict:
 
 
 def failure_cause(status: JobStatus, final_exit_codes: list[int] | tuple[int, ...] = ()) -> tuple[str, str]:
-    """(cause, what happened) of a failed job. The first failure decides; the nodes' states back it up."""
+    """(cause, what happened) of a failed job. The first failure decides; the nodes' states back it up.
+
+    A stalled job (every rank runs, none ends a step: observe/stall.py) is a ``hang``, told by its
+    culprit line (observe/culprit.py) where the evidence named one.
+    """
+    if status.state == "stalled":
+        stall = status.stall or {}
+        culprit = (stall.get("culprit") or {}).get("line") or "culprit not named"
+        return "hang", f"{stall.get('line', 'stalled')}; {culprit}"
     failure = status.first_failure or {}
     text = " ".join(str(failure.get(k) or "") for k in ("message", "reason"))
     code = failure.get("exit_code")

@@ -181,17 +181,20 @@ class Supervisor:
             verdict = decide(status, restart_policy, len(current.restarts))
             say(f"{record.job_id} failed: {verdict.why}")
             if not verdict.restart:
-                self.tell("failed", record, status, cause=verdict.cause, why=verdict.why)
+                self.tell("failed", record, status, cause=verdict.cause, why=verdict.why, **_culprit(status))
                 self.store.set_state(self.lineage, "gave-up", final=verdict.why)
                 continue
             seen_at = time.time()
-            self.wait_gang_down(record, current.launch)
+            # A hang's evidence is taken (status did, before this verdict): its ranks never end by
+            # themselves, so they are stopped now rather than after the gang's grace.
+            self.wait_gang_down(record, current.launch, stop_now=verdict.cause == "hang")
             if not self.backoff(restart_policy.backoff_s):
                 continue
             self.restart(record, status, verdict, seen_at)
 
     def watch(self, record: JobRecord, launch: dict) -> JobStatus | None:
         """Poll the attempt until it is no longer running; None once the supervision is stopped."""
+        stalled_at = None  # (phase, step) of a stall seen once: acted on only when the next poll agrees
         with _pool(record.hosts, launch) as pool:
             while True:
                 if self.stopped():
@@ -202,22 +205,30 @@ class Supervisor:
                     say(f"status of {record.job_id}: {exc}")
                     time.sleep(self.poll_s)
                     continue
+                if status.state == "stalled":
+                    seen = ((status.stall or {}).get("phase"), (status.stall or {}).get("step"))
+                    if seen != stalled_at:  # one poll more: a step that ended meanwhile clears it
+                        say(f"{record.job_id}: {(status.stall or {}).get('line')}; confirming on the next poll")
+                        stalled_at = seen
+                        time.sleep(self.poll_s)
+                        continue
                 if status.state not in ("running", "pending"):
-                    with JobStore() as jobs:
-                        jobs.set_state(record.job_id, status.state)
+                    if status.state != "stalled":  # the ranks still run: the record keeps "running"
+                        with JobStore() as jobs:
+                            jobs.set_state(record.job_id, status.state)
                     return status
                 time.sleep(self.poll_s)
 
-    def wait_gang_down(self, record: JobRecord, launch: dict) -> None:
-        deadline = time.monotonic() + GANG_DOWN_TIMEOUT_S
+    def wait_gang_down(self, record: JobRecord, launch: dict, stop_now: bool = False) -> None:
+        deadline = time.monotonic() + (0.0 if stop_now else GANG_DOWN_TIMEOUT_S)
         with _pool(record.hosts, launch) as pool:
             while True:
                 states = node_states(record, pool)
                 running = [rank for rank, s in states.items() if s.state in ("running", "created")]
                 if not running:
                     return
-                if time.monotonic() > deadline:
-                    say(f"ranks still running on nodes {running} after {GANG_DOWN_TIMEOUT_S:g} s: stopping them")
+                if time.monotonic() >= deadline:
+                    say(f"ranks still running on nodes {running}: stopping them")
                     stop_nodes(record, pool, remove=False, ranks=running)
                     return
                 time.sleep(1.0)
@@ -240,7 +251,9 @@ class Supervisor:
         launch = current.launch
         try:
             job = _load(launch)
-            prepared, replaced, pool = self.prepare_on_healthy_nodes(job, failed, launch)
+            suspects = set((status.stall or {}).get("culprit", {}).get("suspect_hosts") or ()) if (
+                verdict.cause == "hang") else set()  # fmt: skip
+            prepared, replaced, pool = self.prepare_on_healthy_nodes(job, failed, launch, suspects)
         except DzError as exc:
             why = f"restart after {verdict.cause} refused: {exc.message}" + (f" (fix: {exc.fix})" if exc.fix else "")
             say(why)
@@ -286,11 +299,18 @@ class Supervisor:
         with JobStore() as jobs:
             new_record = jobs.get(new_id)
         self.tell("restarted", new_record, None, cause=verdict.cause, why=verdict.why,
-                  failed_job_id=failed.job_id, failure=status.first_failure,
+                  failed_job_id=failed.job_id, failure=status.first_failure, **_culprit(status),
                   replaced=restart["replaced"], restarts=restart["number"])  # fmt: skip
 
-    def prepare_on_healthy_nodes(self, job: LoadedJob, failed: JobRecord, launch: dict):
-        """``launcher.prepare`` on the failed attempt's nodes, swapping each that fails preflight for a spare."""
+    def prepare_on_healthy_nodes(
+        self, job: LoadedJob, failed: JobRecord, launch: dict, suspects: frozenset[str] | set[str] = frozenset()
+    ):
+        """``launcher.prepare`` on the failed attempt's nodes, swapping each that fails preflight for a spare.
+
+        ``suspects``: hosts a hang's evidence points at (their rank stopped, in uninterruptible I/O,
+        blocked in a read, unreachable: observe/culprit.py). Each is swapped for a spare before
+        preflight, where one fits; with none left, the job restarts on the same nodes (preflight
+        still judges them)."""
         nodes = [Node(n["host"], tuple(n["gpus"]) or tuple(range(n["slots"]))) for n in failed.plan["nodes"]]
         spares = spare_candidates(
             list(job.spec.restart.spare_hosts) if job.spec.restart else [],
@@ -306,6 +326,14 @@ class Supervisor:
         )
         tried: set[str] = set()
         replaced: list[Replacement] = []
+        if suspects and not node_local:
+            try:
+                nodes, replaced = replace_failed(nodes, suspects, spares, tried)
+                tried |= suspects
+                say("the hang's evidence points at " + ", ".join(sorted(suspects)) + ": "
+                    + "; ".join(f"node {r.node_rank}: {r.host} -> {r.spare}" for r in replaced))  # fmt: skip
+            except DzError as exc:
+                say(f"the hang's evidence points at {', '.join(sorted(suspects))}, but no spare: {exc.message}")
         while True:
             if self.stopped():
                 raise SystemExit(0)
@@ -361,6 +389,12 @@ class Supervisor:
         outcome = notify.post(url, body, spec.timeout_s)
         say(f"notify {event}: {outcome}")
         self.store.notified(self.lineage, {"event": event, "job_id": record.job_id, **outcome})
+
+
+def _culprit(status: JobStatus) -> dict:
+    """A hang's one line for the webhook: who the ranks wait for, where, in which collective and step."""
+    culprit = (status.stall or {}).get("culprit") if status.state == "stalled" else None
+    return {"culprit": culprit["line"]} if culprit else {}
 
 
 def _policy(record: JobRecord, key: str, model):

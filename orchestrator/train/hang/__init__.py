@@ -1,0 +1,1 @@
+"""What a rank leaves behind for hang detection: its stack on demand, its pulse, NCCL's flight recorder."""

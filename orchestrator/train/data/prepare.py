@@ -11,8 +11,12 @@ rank's failure, reported like any other. The cost: that rank's peak memory inclu
 build (bounded, see ``build.py``).
 
 The other ranks wait with a bound: ``DZCTL_DATA_WAIT_S`` (default 300 s) without a word
-from the builder (its note is rewritten every few seconds while it works) is an error
-naming the builder; a builder that failed makes every rank fail with its reason.
+from the builder is an error naming the builder; a builder that failed makes every rank fail
+with its reason. The builder's word is a heartbeat (``Heartbeat``): a thread that, for the
+whole life of the build, rewrites the run note and touches the key's lock every few seconds,
+whatever the builder is doing. Hashing the sources, counting a mix's rows, checking a cache,
+packing and writing the manifest say nothing for minutes on a large data set; without the
+thread, another node broke the live lock and the node's own ranks stopped waiting.
 
 ``data.eval`` (evaluation data of its own) is a second cache, built and mapped the same way
 (``source_set="eval"``, with its own run note); ``data.eval_split`` holds rows out of the
@@ -24,6 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ from .mapped import MappedData
 
 WAIT_STALE_S = 300.0
 POLL_S = 0.5
+HEARTBEAT_S = 5.0  # at most; a quarter of the shorter bound when one is lowered (tests, DZCTL_DATA_*_S)
 NOTE_SLACK_S = 120.0  # a note written this long before this rank started is an earlier launch's
 
 
@@ -50,6 +56,51 @@ class Prepared:
     cached: bool
     seconds: float
     folder: Path
+
+
+def wait_bound_s() -> float:
+    return float(os.environ.get("DZCTL_DATA_WAIT_S", WAIT_STALE_S))
+
+
+class Heartbeat:
+    """The builder's pulse: the run note rewritten, and the key's lock touched, every ``interval``.
+
+    ``beat(state, **values)`` says something new (written at once); the thread repeats the last
+    thing said with a new time, so a silent phase still reads as alive to the node's waiting
+    ranks (``DZCTL_DATA_WAIT_S``) and to other nodes (``DZCTL_DATA_LOCK_STALE_S``). A builder that
+    dies stops it: its lock then goes stale, and its ranks' wait runs out, as they should.
+    """
+
+    def __init__(self, note: cache.RunNote) -> None:
+        self.note = note
+        self.lock: cache.KeyLock | None = None
+        self.interval = min(HEARTBEAT_S, cache.lock_stale_s() / 4, wait_bound_s() / 4)
+        self._said: tuple[str, dict[str, Any]] = ("building", {"stage": "starting"})
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dzctl-data-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self.beat("building", stage="starting")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def beat(self, state: str, **values: Any) -> None:
+        with self._guard:
+            self._said = (state, values)
+            self.note.write(state, **values)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._guard:
+                state, values = self._said
+                self.note.write(state, **values)
+                if self.lock is not None:
+                    self.lock.refresh()
 
 
 def cache_dir_for(loaded: LoadedJob, output_dir: Path) -> Path:
@@ -116,7 +167,8 @@ def prepare(
     if local_rank != 0:
         return _wait_for_builder(note, cache_dir, say)
     try:
-        prepared = _as_builder(loaded, tokenizer, settings, cache_dir, note, say, source_set)
+        with Heartbeat(note) as heartbeat:
+            prepared = _as_builder(loaded, tokenizer, settings, cache_dir, heartbeat, say, source_set)
     except BaseException as exc:
         reason = exc.message if isinstance(exc, DzError) else f"{type(exc).__name__}: {exc}"
         note.write("failed", reason=reason, fix=getattr(exc, "fix", None), input=isinstance(exc, DataError))
@@ -125,21 +177,25 @@ def prepare(
     return prepared
 
 
-def _as_builder(loaded, tokenizer, settings: BuildSettings, cache_dir: Path, note, say, source_set) -> Prepared:
+def _as_builder(
+    loaded, tokenizer, settings: BuildSettings, cache_dir: Path, heartbeat: Heartbeat, say, source_set
+) -> Prepared:
     started = time.monotonic()
-    note.write("building", stage="key")
+    heartbeat.beat("building", stage="key")
     found = sources.resolve_sources(loaded, source_set)
     key = cache.cache_key(key_material(found, tokenizer, settings, cache_dir))
     folder = cache_dir / key
     lock = cache.KeyLock(cache_dir, key)
+    heartbeat.beat("building", stage="waiting for another node's build", key=key)
     waited = False
     while not lock.try_take():
         if not waited:
             say(f"data: {lock.holder()} is building cache {key} on this storage: waiting for it")
             waited = True
-        note.write("building", stage="waiting for another node's build", key=key)
         time.sleep(POLL_S * 2)
+    heartbeat.lock = lock
     try:
+        heartbeat.beat("building", stage="checking the cache", key=key)
         cached = False
         if folder.exists():
             checked = cache.check(folder)
@@ -149,9 +205,10 @@ def _as_builder(loaded, tokenizer, settings: BuildSettings, cache_dir: Path, not
                 say(f"data: cache {key} failed its check ({checked.reason}): rebuilding it")
                 shutil.rmtree(folder)
         if not cached:
-            _build_into(folder, found, tokenizer, settings, lock, note, key, say)
+            cached = _build_into(folder, found, tokenizer, settings, heartbeat, key, say)
         cache.touch_used(folder)
     finally:
+        heartbeat.lock = None
         lock.release()
     removed = cache.prune(cache_dir, key)
     if removed:
@@ -166,21 +223,23 @@ def _as_builder(loaded, tokenizer, settings: BuildSettings, cache_dir: Path, not
     return Prepared(data, key, cached, seconds, folder)
 
 
-def _build_into(folder: Path, found, tokenizer, settings, lock, note, key: str, say) -> None:
+def _build_into(folder: Path, found, tokenizer, settings, heartbeat: Heartbeat, key: str, say) -> bool:
+    """Build the cache into ``folder``. True when another node's build got there first (then used)."""
     building = folder.parent / f"building-{key}-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
     say(f"data: building cache {key} in {folder.parent} ({len(found)} source(s))")
 
     def alive(progress: dict[str, Any]) -> None:
-        lock.refresh()
-        note.write("building", key=key, **progress)
+        heartbeat.beat("building", key=key, **progress)
 
     try:
         result = build(found, tokenizer, settings, building, say, alive)
         result.info["skipped_lines"] = result.skipped_lines
+        heartbeat.beat("building", stage="writing the manifest", key=key)
         cache.write_manifest(building, result.files, result.info)  # last: a folder with it is whole
-        os.rename(building, folder)
+        if _put_in_place(building, folder, key, say):
+            return True
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
@@ -189,11 +248,34 @@ def _build_into(folder: Path, found, tokenizer, settings, lock, note, key: str, 
         f"data: built {info['examples']:,} examples ({info['tokens']:,} tokens) in {info['build_s']:.1f} s "
         f"with {info['workers']} worker(s), {info['examples'] / max(info['build_s'], 1e-9):,.0f} examples/s"
     )
+    return False
+
+
+def _put_in_place(building: Path, folder: Path, key: str, say) -> bool:
+    """Rename the finished build to its key. True when a whole cache of the key was there already.
+
+    It can be: this builder's lock was broken (it went silent past the bound: a stopped VM, a
+    storage stall) and another node built the same key meanwhile. The same key is the same
+    content, so that cache is used and this build dropped; a cache that fails its check is replaced.
+    """
+    try:
+        os.rename(building, folder)
+        return False
+    except OSError:  # ENOTEMPTY or EEXIST: the folder is there
+        if not folder.exists():
+            raise
+    if cache.check(folder).ok:
+        say(f"data: another node finished cache {key} first: using it, this build dropped")
+        shutil.rmtree(building, ignore_errors=True)
+        return True
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(building, folder)
+    return False
 
 
 def _wait_for_builder(note: cache.RunNote, cache_dir: Path, say) -> Prepared:
     started_wall, started = time.time(), time.monotonic()
-    bound = float(os.environ.get("DZCTL_DATA_WAIT_S", WAIT_STALE_S))
+    bound = wait_bound_s()
     last_word = started
     last_time = None
     while True:

@@ -225,19 +225,29 @@ def test_progress_counts_real_tokens_not_padding():
 
 
 def test_the_chunked_fused_loss_on_a_packed_batch_is_the_per_example_mean():
-    # train.fused_loss (issue 12's other half, orchestrator/train/model/loss.py) replaces the model's
-    # forward; packed batches must keep their boundaries through it. Runs once both halves are merged.
-    loss = pytest.importorskip("orchestrator.train.model.loss", reason="train.fused_loss is not on this branch yet")
+    # train.fused_loss: chunked (orchestrator/train/model/loss.py) replaces the model's forward: a packed
+    # batch must keep its examples' boundaries through it, in the loss and in the gradients. Imported
+    # outright: a skip here (the import once was optional) hid that this was never run.
+    import torch
+
     from orchestrator.train.data.collate import PackedCollator
-    from orchestrator.train.model import attention
+    from orchestrator.train.model import attention, loss
 
     examples = _examples()
     alone = [_alone_loss(_tiny_model(), e) for e in examples]
     counts = [sum(1 for label in e["labels"][1:] if label != -100) for e in examples]
     weighted = sum(a * n for a, n in zip(alone, counts, strict=True)) / sum(counts)
-    model = _tiny_model(attention.register("sdpa_split")).train()  # the chunked path is the training forward
-    loss.apply_fused_loss(model, "chunked")
     batch = PackedCollator()([packing.packed_example(examples, [0, 1, 2]), packing.packed_example(examples, [3, 4])])
-    out = model(**batch)
+    plain = _tiny_model(attention.register("sdpa_split")).train()
+    chunked = _tiny_model(attention.register("sdpa_split")).train()  # the same weights (seed 0)
+    loss.apply_fused_loss(chunked, "chunked")
+    out, reference = chunked(**batch), plain(**batch)
     assert out.logits is None  # the chunked loss ran: no full logits were built
+    assert reference.logits is not None
     assert float(out.loss) == pytest.approx(weighted, abs=1e-5)
+    assert float(out.loss) == pytest.approx(float(reference.loss), abs=1e-5)
+    out.loss.backward()
+    reference.loss.backward()
+    for (name, mine), theirs in zip(chunked.named_parameters(), plain.parameters(), strict=True):
+        assert mine.grad is not None, name
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

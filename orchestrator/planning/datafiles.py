@@ -11,6 +11,10 @@ by), so an error about it names the user's own file and row:
   JSON is yielded as ``Malformed`` so that ``data.on_error: skip`` can pass over it;
 - a JSON array: ``N`` counts the array's items from 1; a syntax error stops the file
   (after it, nothing can be read) and names its line.
+
+A file of a table format (``.csv``, ``.tsv``, Excel) is refused by its name, saying which
+formats are read, before a byte of it is parsed as JSON (it would fail as "not valid JSON",
+and the old fix, to change ``data.format``, cannot help: that names a row layout, not a file's).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ CHUNK = 1 << 22  # 4 MiB of text per read
 MAX_ROW = 1 << 26  # 64 MiB: no SFT row is near it
 _DECODER = json.JSONDecoder()
 _SPACE = " \t\r\n"
+# Files people export data to that are not JSON: named, with the ways in that exist.
+TABLE_FORMATS = {".csv": "CSV", ".tsv": "TSV", ".xlsx": "Excel", ".xls": "Excel"}
+READ_FORMATS = (
+    "a JSON array (.json), JSON lines (.jsonl), Parquet (.parquet), a datasets.save_to_disk folder, or hf:ORG/NAME"
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,13 @@ def iter_rows(path: Path, display: str | None = None, position: list[int] | None
 
     ``position``, when given, holds the bytes read so far in its one item (for an ETA)."""
     shown = display or str(path)
+    table = TABLE_FORMATS.get(path.suffix.lower())
+    if table:
+        raise DataError(
+            f"{shown}: a {table} file: {table} is not a data format dzctl reads; it reads {READ_FORMATS}",
+            fix=f"convert it to JSON lines (pandas: read_{'excel' if table == 'Excel' else 'csv'}(...)"
+            ".to_json('data.jsonl', orient='records', lines=True, force_ascii=False)) and point data.path at it",
+        )
     try:
         handle = path.open("rb")
     except FileNotFoundError:
@@ -85,10 +101,13 @@ def _line_rows(handle, shown: str, position: list[int] | None) -> Iterator[tuple
         if not line.strip():
             continue
         where = f"{shown}:row {number}"
+        # Without its line ending: a row cut short would otherwise fail at the newline, "column 1" of a next line.
+        text = line.rstrip("\r\n")
         try:
-            yield where, json.loads(line)
+            yield where, json.loads(text)
         except json.JSONDecodeError as exc:
-            yield where, Malformed(f"not valid JSON: {exc.msg} (column {exc.colno})")
+            cut = ": the row ends there, cut short?" if exc.pos >= len(text.rstrip()) else ""
+            yield where, Malformed(f"not valid JSON: {exc.msg} (column {exc.colno}{cut})")
 
 
 class _Text:

@@ -19,7 +19,10 @@ An assistant turn of ``messages`` or ``sharegpt`` may carry ``reasoning_content`
 as OpenAI-style APIs and Qwen3's template name it); ``to_turns`` returns it beside the turns,
 ``to_messages`` leaves it out. ``columns`` renames the fields: ``{instruction: prompt, output: completion}`` reads the
 instruction from the row's ``prompt``. Every format needs at least one assistant turn
-with text: a row with nothing to learn from is an error, not silently kept.
+with text: a row with nothing to learn from is an error, not silently kept. Every text must be
+encodable as UTF-8: JSON may hold a lone UTF-16 surrogate (``"\\ud800"`` without its pair), which
+Python reads into a ``str`` but no tokenizer takes (the Rust ones raise a ``TypeError`` naming no
+row), so such a row is a bad row here, named, and skipped under ``data.on_error: skip``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,22 @@ def to_turns(row: Any, fmt: str, where: str, columns: dict[str, str] | None = No
     raise DataError(f"{where}: unknown data.format {fmt!r}")
 
 
+SURROGATE_FIX = "fix the row (a \\udXXX escape needs its pair), or set data.on_error: skip to leave such rows out"
+
+
+def _encodable(value: str, where: str, shown: str) -> str:
+    """``value``, if UTF-8 can encode it; else the row's error, naming the surrogate and where it is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"{where}: {shown} holds a lone UTF-16 surrogate \\u{ord(value[exc.start]):04x} at character "
+            f"{exc.start + 1}: not text a tokenizer can read",
+            fix=SURROGATE_FIX,
+        ) from None
+    return value
+
+
 def _column(cols: dict[str, str], name: str) -> str:
     return cols.get(name, name)
 
@@ -97,7 +116,7 @@ def _text(row: dict[str, Any], name: str, where: str, cols: dict[str, str], *, r
         return ""
     if not isinstance(value, str):
         raise DataError(f"{where}: {_shown(cols, name)} must be text, got {type(value).__name__}")
-    return value
+    return _encodable(value, where, _shown(cols, name))
 
 
 def _alpaca(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
@@ -117,6 +136,8 @@ def _alpaca(row: dict[str, Any], where: str, cols: dict[str, str]) -> Messages:
         for index, pair in enumerate(history):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise DataError(f"{where}: {_shown(cols, 'history')}[{index}]: expected [instruction, response] texts")
+            for text in pair:
+                _encodable(text, where, f"{_shown(cols, 'history')}[{index}]")
             turns += [("user", pair[0]), ("assistant", pair[1])]
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     return (*turns, ("user", user), ("assistant", output))
@@ -144,10 +165,13 @@ def _turns(
             raise DataError(f"{at}: {role_col} must be one of {', '.join(known)}, got {role!r}")
         if not isinstance(content, str):
             raise DataError(f"{at}: {text_col} must be text, got {type(content).__name__}")
+        _encodable(content, at, text_col)
         role = role if fmt == "messages" else SHAREGPT_ROLES[role]
         thought = item.get(reasoning_col)
         if thought is not None and not isinstance(thought, str):
             raise DataError(f"{at}: {reasoning_col} must be text, got {type(thought).__name__}")
+        if thought is not None:
+            _encodable(thought, at, reasoning_col)
         if thought is not None and role != "assistant":
             raise DataError(f"{at}: {reasoning_col} belongs to assistant turns, this one is {role!r}")
         out.append((role, content))

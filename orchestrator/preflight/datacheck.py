@@ -4,10 +4,11 @@ A source given relative to the job file is shipped with it (checked on this mach
 ``planning/inputs.py``). An absolute path (shared storage) or a hub ID (``hf:ORG/NAME``)
 is read on the nodes, so it is checked there, before anything starts:
 
-- an absolute path must exist, be readable and have a size (a file of 0 bytes, or an
-  empty folder, has no rows). With ``runtime: docker`` the path is the container's: it is
-  looked for at the host path of the ``launch.mounts`` entry that holds it, and a path
-  no mount holds is a failure (the container would not see it);
+- an absolute path must exist, be readable and have rows: a file of 0 bytes, one of only
+  blank lines, an empty JSON array (``[]``) or an empty folder has none. With ``runtime:
+  docker`` the path is the container's: it is looked for at the host path of the
+  ``launch.mounts`` entry that holds it, and a path no mount holds is a failure (the
+  container would not see it);
 - a hub ID must be in the node's Hugging Face datasets cache (``HF_DATASETS_CACHE``, or
   ``HF_HOME``/datasets, from ``launch.env`` where set), or the hub must be reachable from
   the node (not tried under ``HF_DATASETS_OFFLINE=1``, where only the cache counts).
@@ -22,15 +23,21 @@ from ..spec.job import HUB_PREFIX, parse_mount
 from ..transport.connection import Connection
 from .model import Check, fail, ok
 
+# A file's head, blanks removed, is printed when the file is this small: enough to tell `[]` or
+# blank lines (no rows) from data, without reading a large file on the node.
+SMALL_FILE = 64
 PATHS_SCRIPT = (
     'for p in "$@"; do '
     'if [ -d "$p" ]; then if [ -r "$p" ] && [ -x "$p" ]; then '
     'printf "dir\\t%s\\t%s\\n" "$p" "$(ls -A -- "$p" | wc -l)"; '
     'else printf "unreadable\\t%s\\n" "$p"; fi; '
-    'elif [ -f "$p" ]; then if [ -r "$p" ]; then printf "file\\t%s\\t%s\\n" "$p" "$(wc -c < "$p")"; '
+    'elif [ -f "$p" ]; then if [ -r "$p" ]; then s=$(wc -c < "$p"); h=; '
+    f'if [ "$s" -le {SMALL_FILE} ]; then h=$(tr -d " \\t\\r\\n" < "$p"); fi; '
+    'printf "file\\t%s\\t%s\\t%s\\n" "$p" "$s" "$h"; '
     'else printf "unreadable\\t%s\\n" "$p"; fi; '
     'else printf "missing\\t%s\\n" "$p"; fi; done'
 )
+NO_ROWS = ("", "[]")  # a small file's head, blanks and a BOM removed: no row in it
 # Part of every node probe that may need the hub (this one, and preflight/loading/weights.py's):
 # whether the node reaches it, into out["hub"] or out["hub_error"].
 REACH_HUB = r"""
@@ -127,7 +134,8 @@ def check_data(conn: Connection, ctx, host_env: dict[str, str] | None = None) ->
         result = conn.run(["sh", "-c", PATHS_SCRIPT, "sh", *on_node], timeout=30)
         for line in result.stdout.splitlines():
             kind, _, rest = line.partition("\t")
-            where, _, size = rest.partition("\t")
+            where, _, rest = rest.partition("\t")
+            size, _, head = rest.partition("\t")
             key, path = on_node.get(where, ("data", where))
             shown = path if where == path else f"{path} (on the node: {where})"
             fix = f"put the data at {where} on {conn.host} (every node reads it there), or fix {key}"
@@ -137,6 +145,9 @@ def check_data(conn: Connection, ctx, host_env: dict[str, str] | None = None) ->
                 problems.append((f"{key} {shown} is not readable on {conn.host}", f"make it readable: {fix}"))
             elif size.strip() in ("", "0"):
                 problems.append((f"{key} {shown} is empty on {conn.host}", fix))
+            elif kind == "file" and int(size) <= SMALL_FILE and head.removeprefix("\ufeff") in NO_ROWS:
+                what = "an empty JSON array" if "[" in head else "only blank lines"
+                problems.append((f"{key} {shown} has no rows on {conn.host} ({what})", fix))
             else:
                 details.append(f"{path}: {size.strip()} {'bytes' if kind == 'file' else 'entries'}")
     if hub:

@@ -69,6 +69,13 @@ def load_dataset(loaded: LoadedJob, tokenizer, settings: Any, ranks: Any, vocab_
     return MappedDataset(prepared.data), MappedDataset(held) if held is not None else None
 
 
+def _left_out(source: dict[str, Any], max_seq_len: int) -> str:
+    """The assistant turns out of the loss: rendered nothing new, or cut away whole by max_seq_len."""
+    cut = source.get("cut_turns", 0)
+    text = f"{source['untrained_turns'] + cut} assistant turns left out of the loss"
+    return f"{text} ({cut} past max_seq_len {max_seq_len})" if cut else text
+
+
 def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[str]:
     """The data lines of the log: the skipped rows, one line per source, the packing."""
     lines = [f"skipped row: {line}" for line in info.get("skipped_lines", [])]
@@ -85,7 +92,7 @@ def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[s
         lines.append(
             f"data {source['label']}:{share} {source['examples']:,} examples, {source['skipped']} rows skipped, "
             f"{source['truncated_away']} dropped (responses past max_seq_len {max_seq_len}), "
-            f"{source['untrained_turns']} assistant turns left out of the loss{split}{reasoning}"
+            f"{_left_out(source, max_seq_len)}{split}{reasoning}"
             + (f"; template {info['template']}" if info.get("template") else "")
         )
     if "eval_examples" in info:

@@ -78,6 +78,7 @@ class SourceStats:
     skipped: int = 0
     truncated_away: int = 0
     untrained_turns: int = 0
+    cut_turns: int = 0  # assistant turns max_seq_len cut away whole (their example may stay, for other turns)
     split_rows: int = 0  # rows made into several examples (a template that re-renders history)
     reasoning_turns: int = 0
     reasoning_dropped: int = 0  # data.enable_thinking: false
@@ -115,12 +116,15 @@ def encode_batch(
     return [row.examples for row in rows]
 
 
-def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.ndarray, int, TurnStats, np.ndarray]:
+def _encode_chunk(
+    conversations: list[Conversation],
+) -> tuple[np.ndarray, np.ndarray, int, TurnStats, np.ndarray, np.ndarray]:
     tokenizer, max_len, dtype, bit = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER["dtype"], _WORKER["bit"]
     key_seed = _WORKER.get("key_seed")  # data.eval_split: each kept example's row key (holdout.py)
     pieces: list[np.ndarray] = []
     lengths: list[int] = []
     keys: list[int] = []
+    row_keys: list[int] = []  # one per row that kept an example: data.eval_split counts these
     truncated = 0
     stats = TurnStats()
     renderer = _WORKER["renderer"]
@@ -130,6 +134,7 @@ def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.nda
         # Every example of a row (one per turn where the template re-renders history) has the row's key,
         # so a held-out row is held out whole.
         key = holdout.row_key(conversation.messages, key_seed) if key_seed is not None else None
+        kept = False
         for ids, labels in examples:
             values = np.asarray(ids, dtype=np.int64)
             trained = np.asarray(labels, dtype=np.int64) != IGNORE
@@ -138,10 +143,20 @@ def _encode_chunk(conversations: list[Conversation]) -> tuple[np.ndarray, np.nda
                 continue
             pieces.append((values | (trained.astype(np.int64) << bit)).astype(dtype))
             lengths.append(len(ids))
+            kept = True
             if key is not None:
                 keys.append(key)
+        if kept and key is not None:
+            row_keys.append(key)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), truncated, stats, np.asarray(keys, dtype=np.uint64)
+    return (
+        tokens,
+        np.asarray(lengths, dtype=np.int64),
+        truncated,
+        stats,
+        np.asarray(keys, dtype=np.uint64),
+        np.asarray(row_keys, dtype=np.uint64),
+    )
 
 
 def _quiet_tokenizer() -> None:
@@ -183,6 +198,13 @@ def build(
         for source, stat in zip(found, stats, strict=True):
             report(f"data: counting the rows of {source.label} (for the mix)")
             counted = sources.count_rows(source)
+            if counted == 0:
+                # A mix keeps every source's share: one source with no rows leaves the mix none at all.
+                raise DataError(
+                    f"{source.display}: no rows (data.sources[{source.index}], in a mix of {len(found)} sources: "
+                    "each gives rows in proportion to its weight, so this one leaves the mix no rows at all)",
+                    fix=f"give data.sources[{source.index}] a data file with rows, or remove it from data.sources",
+                )
             stat.available = counted
             available.append(min(counted, source.spec.max_rows or counted))
         take = list(mix_counts(available, [s.spec.weight for s in found]))
@@ -201,6 +223,7 @@ def build(
     lengths = array("q")
     source_of = array("H")
     keys = array("Q")  # the examples' row keys, with data.eval_split only
+    row_keys = array("Q")  # the rows' keys (a row split per turn is one row), with data.eval_split only
     skipped_lines: list[str] = []
     pending: deque = deque()
     started = time.monotonic()
@@ -212,9 +235,10 @@ def build(
             def drain(limit: int) -> None:
                 while len(pending) > limit:
                     index, result = pending.popleft()
-                    tokens, chunk_lengths, truncated, turns, chunk_keys = result.get()
+                    tokens, chunk_lengths, truncated, turns, chunk_keys, chunk_row_keys = result.get()
                     tokens.tofile(tokens_out)
                     keys.extend(chunk_keys.tolist())
+                    row_keys.extend(chunk_row_keys.tolist())
                     lengths.extend(chunk_lengths.tolist())
                     source_of.extend([index] * len(chunk_lengths))
                     stat = stats[index]
@@ -222,6 +246,7 @@ def build(
                     stat.tokens += int(chunk_lengths.sum())
                     stat.truncated_away += truncated
                     stat.untrained_turns += turns.untrained_turns
+                    stat.cut_turns += turns.cut_turns
                     stat.split_rows += turns.split_rows
                     stat.reasoning_turns += turns.reasoning_turns
                     stat.reasoning_dropped += turns.reasoning_dropped
@@ -288,12 +313,15 @@ def build(
     all_lengths = np.frombuffer(lengths, dtype=np.int64)
     trained = np.arange(len(lengths))
     if settings.eval_split is not None:
-        held = holdout.held_out(np.frombuffer(keys, dtype=np.uint64), settings.eval_split)
+        example_keys, rows_kept = np.frombuffer(keys, dtype=np.uint64), np.frombuffer(row_keys, dtype=np.uint64)
+        held = holdout.held_out(example_keys, settings.eval_split, rows_kept)
         trained, evaluated = np.flatnonzero(~held), np.flatnonzero(held)
         _write(folder, "train_examples.bin", trained.astype("<u4"), files)
         _write(folder, "eval_examples.bin", evaluated.astype("<u4"), files)
         info["train_examples"], info["train_tokens"] = len(trained), int(all_lengths[trained].sum())
         info["eval_examples"], info["eval_tokens"] = len(evaluated), int(all_lengths[evaluated].sum())
+        held_rows = np.isin(rows_kept, example_keys[evaluated])
+        info["eval_rows_held"], info["train_rows"] = int(held_rows.sum()), int((~held_rows).sum())
         if settings.packing:
             info["eval_rows"] = _pack_into(folder, "eval_", evaluated, all_lengths, settings, files)
     if settings.packing:

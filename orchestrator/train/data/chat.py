@@ -129,6 +129,7 @@ def split_think(content: str) -> tuple[str | None, str]:
 @dataclass
 class TurnStats:
     untrained_turns: int = 0  # assistant turns with no token of their own (the template rendered nothing new)
+    cut_turns: int = 0  # assistant turns whose every token is past max_seq_len (cut away whole)
     split_rows: int = 0  # rows split into several examples (a template that re-renders history)
     reasoning_turns: int = 0  # assistant turns with reasoning (reasoning_content or a <think> block)
     reasoning_dropped: int = 0  # of those, reasoning removed by enable_thinking: false
@@ -205,9 +206,11 @@ def encode_rows(
         labelled = _label_by_pieces(tokenizer, texts, [spans for plan in plans for _, spans in plan])
     out, cursor = [], 0
     for plan in plans:
-        row = EncodedRow([(ids[:max_len], labels[:max_len]) for ids, labels in labelled[cursor : cursor + len(plan)]])
+        examples = labelled[cursor : cursor + len(plan)]
+        # A turn whose first token is past the cut is out of the loss, even where its example stays for others.
+        stats.cut_turns += sum(first >= max_len for _, _, firsts in examples for first in firsts)
+        out.append(EncodedRow([(ids[:max_len], labels[:max_len]) for ids, labels, _ in examples]))
         cursor += len(plan)
-        out.append(row)
     return out
 
 
@@ -241,7 +244,10 @@ def example_plan(pairs: list[tuple[str, str]], stats: TurnStats) -> list[tuple[s
     return examples
 
 
-def _label_by_offsets(tokenizer: Any, texts: list[str], spans: list[Spans]) -> list[tuple[list[int], list[int]]]:
+Labelled = tuple[list[int], list[int], list[int]]  # ids, labels, each trained span's first token index
+
+
+def _label_by_offsets(tokenizer: Any, texts: list[str], spans: list[Spans]) -> list[Labelled]:
     """Tokenize each whole text once; a token is trained where its characters overlap a trained span.
 
     The labels follow the tokens of the sequence itself: a token that straddles the end of the
@@ -253,18 +259,20 @@ def _label_by_offsets(tokenizer: Any, texts: list[str], spans: list[Spans]) -> l
     out = []
     for ids, offsets, trained in zip(encoded["input_ids"], encoded["offset_mapping"], spans, strict=True):
         labels = [IGNORE] * len(ids)
+        firsts = []
         position = 0
         for start, end in trained:
             while position < len(ids) and offsets[position][1] <= start:
                 position += 1
+            firsts.append(position)
             while position < len(ids) and offsets[position][0] < end:
                 labels[position] = ids[position]
                 position += 1
-        out.append((ids, labels))
+        out.append((ids, labels, firsts))
     return out
 
 
-def _label_by_pieces(tokenizer: Any, texts: list[str], spans: list[Spans]) -> list[tuple[list[int], list[int]]]:
+def _label_by_pieces(tokenizer: Any, texts: list[str], spans: list[Spans]) -> list[Labelled]:
     """A tokenizer without offsets (a slow, Python one): the text's pieces at the span edges, each tokenized."""
     pieces: list[str] = []
     layout: list[list[tuple[int, bool]]] = []
@@ -285,10 +293,13 @@ def _label_by_pieces(tokenizer: Any, texts: list[str], spans: list[Spans]) -> li
     for parts in layout:
         ids: list[int] = []
         labels: list[int] = []
+        firsts: list[int] = []
         for index, is_trained in parts:
+            if is_trained:
+                firsts.append(len(ids))
             ids += encoded[index]
             labels += encoded[index] if is_trained else [IGNORE] * len(encoded[index])
-        out.append((ids, labels))
+        out.append((ids, labels, firsts))
     return out
 
 

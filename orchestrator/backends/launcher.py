@@ -265,7 +265,9 @@ def prepare(
         require_preflight(report)
     if job.spec.accelerator == "gpu":
         # The model's inputs are measured now: ZeRO's settings (hpZ, buckets) are chosen on them.
-        speed, links_line = speed_inputs_at_launch(report.collective, report.gpu_name, len(nodes))
+        speed, links_line = speed_inputs_at_launch(
+            report.collective, report.gpu_name, len(nodes), report.host_optimizer
+        )
         progress.note(links_line)
         if speed is not None:
             with phases.timed("speed_plan"):

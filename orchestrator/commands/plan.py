@@ -14,6 +14,7 @@ from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.shape import ModelShape
 from ..planning.speed.communication import Links
+from ..planning.speed.offload import HostOptimizer
 from ..planning.speed.steptime import GPU_KINDS
 from ..planning.speed.steptime import gpu_kind as lookup_gpu_kind
 from ..spec.job import JobSpec
@@ -30,7 +31,16 @@ from .options import (
 
 # -- the step-time part (issue 30): the flags the model needs when no host was measured, and its lines --
 def speed_options(func):
-    """``--gpu-kind``, ``--link-gbps``, ``--intra-gbps``: what the step-time model needs when no host was measured."""
+    """``--gpu-kind``, ``--link-gbps``, ``--intra-gbps``, ``--host-adam-rate``: what the step-time model needs when
+    no host was measured."""
+    func = click.option(
+        "--host-adam-rate",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        metavar="G_PER_S",
+        help="Each node's AdamW rate on its CPU, billions of fp32 parameters a second with all its cores "
+        "(launch measures it): times the step of an offloaded optimizer.",
+    )(func)
     func = click.option(
         "--intra-gbps",
         type=click.FloatRange(min=0, min_open=True),
@@ -53,7 +63,9 @@ def speed_options(func):
     )(func)
 
 
-def speed_inputs(gpu_kind: str | None, link_gbps: float | None, intra_gbps: float | None) -> SpeedInputs:
+def speed_inputs(
+    gpu_kind: str | None, link_gbps: float | None, intra_gbps: float | None, host_adam_rate: float | None = None
+) -> SpeedInputs:
     """The step-time model's inputs from the flags; an unknown GPU kind is bad input (exit 2)."""
     kind = None
     if gpu_kind is not None:
@@ -65,7 +77,10 @@ def speed_inputs(gpu_kind: str | None, link_gbps: float | None, intra_gbps: floa
     intra = intra_gbps * 1e9 / 8 if intra_gbps is not None else kind.intra_bytes_per_s
     where = [f"--link-gbps {link_gbps:g} (rated)" if link_gbps is not None else "inter-node not given"]
     where.append(f"--intra-gbps {intra_gbps:g}" if intra_gbps is not None else f"intra-node {kind.name} default")
-    return SpeedInputs(gpu=kind, links=Links.rated(link_gbps, intra, ", ".join(where)))
+    host = None
+    if host_adam_rate is not None:
+        host = HostOptimizer(host_adam_rate * 1e9, None, f"--host-adam-rate {host_adam_rate:g}")
+    return SpeedInputs(gpu=kind, links=Links.rated(link_gbps, intra, ", ".join(where)), host=host)
 
 
 def speed_lines(plan: MemoryPlan) -> list[str]:
@@ -117,6 +132,7 @@ def plan_command(
     gpu_kind,
     link_gbps,
     intra_gbps,
+    host_adam_rate,
     as_json,
 ):
     """Predict per-GPU and per-node memory and choose micro-batch, checkpointing and offload.
@@ -130,7 +146,7 @@ def plan_command(
     slots = [n.num_slots for n in nodes]
     hardware = hardware_for(nodes, gpu_mem_gib, host_mem_gib)
     host_mem_gib = hardware.host_mem_gib
-    speed = speed_inputs(gpu_kind, link_gbps, intra_gbps)
+    speed = speed_inputs(gpu_kind, link_gbps, intra_gbps, host_adam_rate)
     plan, ds_config = plan_for_job(
         inputs, slots, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=host_mem_gib, speed=speed
     )

@@ -22,6 +22,7 @@ from ..transport.connection import Connection
 from ..transport.results import Result
 from . import netprobe
 from . import parsers as p
+from .loading.ops import CPU_ADAM
 from .model import Check, fail, ok, warn
 
 # How long a node may take per kind of command. Probing tools is quick; the
@@ -51,9 +52,41 @@ DISK_SCRIPT = (
 )
 LIMITS_SCRIPT = 'echo "DZ_MEMLOCK $(ulimit -l)"; printf "DZ_SHM "; df -P -B1 /dev/shm | tail -n 1'
 ENV_MARK = "DZCTL_ENV "
+# Part of PYTHON_PROBE, where the plan may offload the optimizer: this host's AdamW rate and pinned copy up
+# (planning/speed/offload.py). Reads and writes the probe's ``out``.
+HOST_ADAM_PROBE = r"""
+if os.environ.get("DZ_HOST_ADAM") == "1":  # the plan may offload the optimizer: this host's AdamW and copy up
+    try:
+        import time
+        import torch
+        # 2**25 fp32 elements (512 MiB with the gradient and both moments): past every cache, so the rate is the
+        # memory bandwidth's, as an offloaded step over gigabytes of states is. torch's fused CPU AdamW measured
+        # the rate of DeepSpeed's CPU Adam (benchmarks/offload_rates.py), and needs no op build.
+        n = 1 << 25
+        w = torch.zeros(n)
+        w.grad = torch.ones(n)
+        opt = torch.optim.AdamW([w], lr=1e-5, fused=True)
+        opt.step()
+        began = time.perf_counter()
+        for _ in range(3):
+            opt.step()
+        out["host_adam_params_per_s"] = 3 * n / (time.perf_counter() - began)
+        if out.get("gpus"):
+            host = torch.empty(1 << 27, dtype=torch.bfloat16, pin_memory=True)
+            dev = torch.empty_like(host, device="cuda")
+            dev.copy_(host)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            out["h2d_bytes_per_s"] = host.numel() * 2 / (time.perf_counter() - began)
+    except Exception as exc:
+        out["host_adam_error"] = f"{type(exc).__name__}: {exc}"[:300]
+"""
 # Runs in the image (or the node's Python for runtime: process). Prints one JSON
 # line; an import failure is reported in it rather than as a traceback.
-PYTHON_PROBE = r"""
+PYTHON_PROBE = (
+    r"""
 import json, os, sys
 out = {"python": sys.version.split()[0]}
 try:
@@ -86,6 +119,9 @@ if os.environ.get("DZ_AIO_TEST") == "1":  # zero.nvme_path: DeepSpeed's async_io
         out["async_io"] = bool(AsyncIOBuilder().is_compatible(verbose=False))
     except Exception as exc:
         out["async_io_error"] = f"{type(exc).__name__}: {exc}"[:300]
+"""
+    + HOST_ADAM_PROBE
+    + r"""
 try:
     import deepspeed
     out["deepspeed"] = deepspeed.__version__
@@ -137,6 +173,7 @@ if os.environ.get("DZ_OPS"):  # the op builders the plan loads (preflight/loadin
 out["extension_locks"] = [[f, time.time() - os.path.getmtime(f)] for f in glob.glob(os.path.join(ext, "*", "lock"))]
 print("DZCTL_ENV " + json.dumps(out))
 """
+)
 # A JIT op build takes minutes (async_io with cpu_adam took about 4 on a loaded 2-core machine);
 # a lock older than this is left by a build that was killed.
 STALE_EXTENSION_LOCK_S = 20 * 60
@@ -172,6 +209,8 @@ class Context:
         env = {}
         if self.ops or self.maybe_ops:
             env["DZ_OPS"] = ",".join(self.ops + self.maybe_ops)
+        if self.gpu and CPU_ADAM in self.ops + self.maybe_ops:  # the step-time model times the host's step
+            env["DZ_HOST_ADAM"] = "1"
         if not self.gpu:  # the trainer sets it before DeepSpeed picks its accelerator (train/environment.py)
             env["DS_ACCELERATOR"] = "cpu"
         # The job's own settings that decide where ops are built and with what.

@@ -74,6 +74,9 @@ class PreflightReport:
     gpu_compute_capability: dict[str, float] = field(default_factory=dict)
     # Per host, nvidia-smi's name of the GPUs the job uses (the step-time model's GPU kind).
     gpu_name: dict[str, str] = field(default_factory=dict)
+    # Per host, where the plan may offload the optimizer: its AdamW rate (host_adam_params_per_s) and pinned
+    # copy up (h2d_bytes_per_s), which time the offloaded step (planning/speed/offload.py).
+    host_optimizer: dict[str, dict[str, float]] = field(default_factory=dict)
     infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
     container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node
     # The collective check's figures (preflight/collective.py); None until it ran or was skipped.
@@ -104,6 +107,7 @@ class PreflightReport:
             "host_mem_gib": self.host_mem_gib,
             "gpu_compute_capability": self.gpu_compute_capability,
             "gpu_name": self.gpu_name,
+            "host_optimizer": self.host_optimizer,
             "infiniband": self.infiniband,
             "container_probe_s": self.container_probe_s,
             "collective": self.collective,

@@ -200,6 +200,11 @@ def run_preflight(
             h: f.gpu_compute_capability for h, f in facts.items() if f.gpu_compute_capability is not None
         },
         gpu_name={h: f.gpu_name for h, f in facts.items() if f.gpu_name},
+        host_optimizer={
+            h: {k: round(f.env[k]) for k in ("host_adam_params_per_s", "h2d_bytes_per_s") if f.env.get(k)}
+            for h, f in facts.items()
+            if f.env.get("host_adam_params_per_s")
+        },
         infiniband={h: f.infiniband for h, f in facts.items() if f.infiniband},
         container_probe_s={h: round(f.container_probe_s, 3) for h, f in facts.items() if f.container_probe_s},
         nvme={h: f.nvme for h, f in facts.items() if f.nvme},

@@ -12,19 +12,24 @@ from collections.abc import Mapping
 
 from ..memory.fromjob import SpeedInputs
 from .communication import Links
+from .offload import host_optimizer_from_nodes
 from .steptime import GPU_KINDS, gpu_kind
 from .zerochoice import SpeedPlan
 
 
 def speed_inputs_at_launch(
-    collective: dict | None, gpu_names: Mapping[str, str], n_nodes: int
+    collective: dict | None,
+    gpu_names: Mapping[str, str],
+    n_nodes: int,
+    host_rates: Mapping[str, Mapping[str, float]] | None = None,
 ) -> tuple[SpeedInputs | None, str]:
     """The model's inputs from preflight's readings, and the launch's line about them.
 
     ``gpu_names``: per host, nvidia-smi's name of the GPUs the job uses. The nodes must
     share one known kind. On several nodes the links must be measured (the inter-node
     bandwidth decides everything there); on one node the kind's NVLink figure stands in
-    for a check that did not run (one GPU, or ``--skip-collective``).
+    for a check that did not run (one GPU, or ``--skip-collective``). ``host_rates``: per host, what the
+    Python probe measured of the host's AdamW and copy up where the plan may offload the optimizer.
     """
     names = sorted(set(gpu_names.values()))
     if not names:
@@ -37,6 +42,7 @@ def speed_inputs_at_launch(
             "ZeRO's settings stay the defaults"
         )
     kind = kinds.pop()
+    host = host_optimizer_from_nodes(host_rates or {})
     links = Links.measured(collective, intra_bytes_per_s=kind.intra_bytes_per_s)
     if links is None:
         why = (collective or {}).get("reason") or "the collective check measured no all-gather/reduce-scatter"
@@ -46,8 +52,8 @@ def speed_inputs_at_launch(
                 "(dzctl plan --link-gbps predicts the step)"
             )
         links = Links.rated(None, kind.intra_bytes_per_s, f"intra-node {kind.name} default (not measured: {why})")
-        return SpeedInputs(gpu=kind, links=links), f"step-time links: {links.source}"
-    return SpeedInputs(gpu=kind, links=links), measured_links_note(collective)
+        return SpeedInputs(gpu=kind, links=links, host=host), f"step-time links: {links.source}"
+    return SpeedInputs(gpu=kind, links=links, host=host), measured_links_note(collective)
 
 
 def measured_links_note(collective: dict | None) -> str:
@@ -68,9 +74,12 @@ def predicted_step_line(speed: SpeedPlan | None) -> str | None:
         return None
     hpz = f"hpZ {speed.hpz_partition_size}" if speed.hpz_partition_size > 1 else "hpZ off"
     buckets = f"reduce bucket {speed.buckets.reduce:,}" if speed.buckets is not None else "default buckets"
+    off = speed.user_settings.overlap_off
+    # The one setting of the user's own config that changes the step most: named with its file here too.
+    overlap = f"; overlap_comm false (from {off.source}): communication not overlapped" if off else ""
     return (
         f"predicted step: {step.step_s:.3f} s per micro-step, {step.tokens_per_s:,.0f} tokens/s/GPU, "
-        f"{step.bound}-bound ({speed.gpu}, MFU {speed.mfu:.1%}; {hpz}, {buckets})"
+        f"{step.bound}-bound ({speed.gpu}, MFU {speed.mfu:.1%}; {hpz}, {buckets}{overlap})"
     )
 
 

@@ -1,0 +1,94 @@
+#!/bin/sh
+# Issue 42 on one GPU (H100 or H200): the plans auto makes against a grid of the others, offload included.
+# Each launch is the product itself, benchmarks/useful_tokens_h200.py (dzctl plan, then dzctl launch --runtime
+# process --follow on localhost slots=1), global batch fixed at 32 rows (train.global_batch_size=32), 7 steps,
+# the median of steps 4-7. Each grid is benchmarks/recompute_h200.py's raw ZeRO-3 loop (one process, one model,
+# full rows of random ids), the step-time inputs that planning/speed/recompute.py fits.
+#   rates               benchmarks/offload_rates.py: DeepSpeed's CPU Adam and the pinned PCIe copies on this node
+#                       (it JIT-builds cpu_adam into TORCH_EXTENSIONS_DIR, which every later launch reuses)
+#   off-auto-R          full FT, 18 layers, SFT rows (benchmarks/sft_data.py), auto plan (on an H100 it offloads
+#                       the optimizer: the states do not fit 80 GB)
+#   off-ratio-R         the same, DeepSpeed's partial offload: offload_optimizer.ratio RATIO (default 0.9) of the
+#                       optimizer on the CPU, the rest on the GPU, sub_group_size 5e8 (the ratio splits sub-groups)
+#   off-zenflow-R       the same, ZenFlow with overlap_step (the CPU step beside the next GPU work)
+#   off-super-R         the same, offload_optimizer.super_offload (DeepSpeed's overlapped CPU step)
+#   lora-R              LoRA r16 (7 projections), 36 layers, SFT rows, auto plan
+#   lora-mMICRO-R       the same with micro-batch MICRO forced (checkpointing left to the planner)
+#   lora-m2nock-R       micro 2, no checkpointing
+#   full12-R            full FT, 12 layers, SFT rows, auto plan;  full12-mMICRO-R as for LoRA
+#   grid-lora           recompute_h200.py --lora, 36 layers, by layer: micro 2,4,8,16 x 0/half/all checkpointed
+#   grid-full12         recompute_h200.py, 12 layers: micro 2,4,8,16 x 0/half/all checkpointed
+# TASKS names what runs, in order. A task is skipped when less than its own limit is left of CALL_S. Results are
+# tarred into $OUT after each task. Run from the root of a checkout with the wheels of run_recompute_h200.sh in
+# $WHEELS.
+set -u
+OUT=${OUT:-benchmarks/results/latest}
+WHEELS=${WHEELS:-.whl}
+CALL_S=${CALL_S:-560}
+RATIO=${RATIO:-0.9}
+# OFF_SET: extra --set arguments of the off-* launches, e.g. "--set zero.offload=optimizer" where the states fit
+# (an H200) and the offloaded step is to be measured all the same.
+OFF_SET=${OFF_SET:-}
+TASKS=${TASKS:-rates off-auto-1 off-ratio-1 off-zenflow-1}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+RES=/tmp/plans-res
+mkdir -p "$OUT" "$RES"
+began=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || exit 1
+export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$HERE
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# One extensions folder for the call: cpu_adam is built once (by `rates` or the first offload launch).
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch-ext}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nproc; grep -m1 'model name' /proc/cpuinfo; free -g | head -2
+save() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
+fits() { [ $(($(date +%s) - began + $1)) -le "$CALL_S" ]; }
+launch() {  # NAME LIMIT_S ARGS...
+    name=$1 limit=$2; shift 2
+    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
+    t0=$(date +%s)
+    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" \
+        --budget-s 400 --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
+    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
+grid() {  # NAME LIMIT_S ARGS...
+    name=$1 limit=$2; shift 2
+    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
+    t0=$(date +%s)
+    (cd "$HERE" && RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout "$limit" \
+        python3 benchmarks/recompute_h200.py "$@" --tag="-$name" --out "$RES") > "$RES/$name.log" 2>&1
+    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
+G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
+OVR="--set=zero.overrides="
+for task in $TASKS; do
+    case $task in
+        rates)
+            t0=$(date +%s)
+            (cd "$HERE" && timeout 300 python3 benchmarks/offload_rates.py --params 2e9 --out "$RES") \
+                > "$RES/rates.log" 2>&1
+            echo "rates: exit $?, $(($(date +%s) - t0)) s"; save ;;
+        off-auto-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET ;;
+        off-ratio-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
+            "${OVR}{zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: $RATIO}}}" ;;
+        off-zenflow-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
+            "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
+        off-super-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
+            "${OVR}{zero_optimization: {offload_optimizer: {super_offload: true}}}" ;;
+        lora-m2nock-*) launch "$task" 200 auto --set train.method=lora $G32 --set train.micro_batch_size=2 \
+            --set train.gradient_checkpointing=false ;;
+        lora-m*) m=${task#lora-m}; m=${m%%-*}
+            launch "$task" 200 auto --set train.method=lora $G32 --set train.micro_batch_size="$m" ;;
+        lora-*) launch "$task" 200 auto --set train.method=lora $G32 ;;
+        full12-m*) m=${task#full12-m}; m=${m%%-*}
+            launch "$task" 150 auto --layers 12 $G32 --set train.micro_batch_size="$m" ;;
+        full12-*) launch "$task" 150 auto --layers 12 $G32 ;;
+        grid-lora) grid "$task" 240 --lora --layers 36 --micro 2,4,8,16 --checkpointed 0,half,all \
+            --budget-s 200 --fetch-unit layer ;;
+        grid-full12) grid "$task" 200 --layers 12 --micro 2,4,8,16 --checkpointed 0,half,all --budget-s 160 ;;
+        *) echo "$task: unknown task" ;;
+    esac
+done
+echo "call: $(($(date +%s) - began)) s"
+exit 0

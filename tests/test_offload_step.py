@@ -74,3 +74,17 @@ def test_the_python_probe_measures_the_hosts_adamw_rate():
     assert "host_adam_error" not in out, out
     assert out["host_adam_params_per_s"] > 1e7  # this 2-core machine: about 4e8
     assert "h2d_bytes_per_s" not in out  # no GPU here
+
+
+def test_a_gpu_kind_never_measured_gets_the_datasheet_model_and_the_plan_says_so(tmp_path):
+    per_token = {}
+    for kind in ("L40S", "B200", "A100-40GB"):
+        speed = _plan_json(tmp_path, "--gpu-kind", kind)["step_time"]
+        assert speed["predicted"] is True and speed["gpu"] == kind
+        assert "datasheet model" in speed["mfu_source"] and "never measured" in speed["mfu_source"]
+        per_token[kind] = speed["compute_s"] / speed["tokens_per_micro_step"]
+    # The same plan and the same stated MFU: compute time per token follows the datasheets' peaks alone.
+    assert abs(per_token["L40S"] / per_token["B200"] - 2250 / 362) < 1e-3
+    assert abs(per_token["A100-40GB"] / per_token["B200"] - 2250 / 312) < 1e-3
+    h100 = _plan_json(tmp_path, "--gpu-kind", "H100")["step_time"]
+    assert "datasheet model" not in h100["mfu_source"]

@@ -60,11 +60,19 @@ class GpuKind:
 # on 2×H200 (NV18; NCCL all-reduce 302 GB/s at 256 MiB, DESIGN §5) for NVLink-4 (H100/H200 SXM);
 # NVLink-3 A100 SXM: NCCL's model caps sm80 at 235 GB/s bus bandwidth (src/graph/tuning.cc).
 # HBM: the datasheets' 3.35 TB/s (H100 SXM), 4.8 TB/s (H200), 2.039 TB/s (A100 80GB SXM).
+# Kinds dzctl never ran on take the datasheets alone (the plan says so, and its MFU is DEFAULT_MFU):
+# A100 40GB 1.555 TB/s HBM2; L40S 362 TFLOP/s dense bf16, 864 GB/s GDDR6, no NVLink (PCIe 4.0 x16, 32 GB/s
+# each way, as its collective bus bandwidth at best); B200 2.25 PFLOP/s dense bf16, 8 TB/s HBM3e, NVLink-5
+# at 900 GB/s each way, taken at the share NVLink-4 gave on 2×H200 (302 of 450 GB/s): 604 GB/s.
 GPU_KINDS: dict[str, GpuKind] = {
     "H100": GpuKind("H100", 989e12, 302e9, "NVIDIA H100 SXM datasheet; NVLink-4 as measured on 2×H200", 3.35e12),
     "H200": GpuKind("H200", 989e12, 302e9, "NVIDIA H200 datasheet; NCCL bus bandwidth measured on 2×H200", 4.8e12),
     "A100": GpuKind("A100", 312e12, 235e9, "NVIDIA A100 datasheet; NCCL's sm80 bus-bandwidth cap", 2.039e12),
+    "A100-40GB": GpuKind("A100-40GB", 312e12, 235e9, "NVIDIA A100 40GB datasheet; NCCL's sm80 cap", 1.555e12),
+    "L40S": GpuKind("L40S", 362e12, 32e9, "NVIDIA L40S datasheet; PCIe 4.0 x16, no NVLink", 0.864e12),
+    "B200": GpuKind("B200", 2250e12, 604e9, "NVIDIA B200 datasheet; NVLink-5 at NVLink-4's measured share", 8.0e12),
 }
+
 
 # Bytes moved per trained parameter of a GPU's partition in one optimizer step, at the HBM's rated
 # bandwidth. Measured on one H200 through dzctl launch: full fine-tuning of 18 Qwen3-8B layers
@@ -142,11 +150,13 @@ DEFAULT_OVERLAP = 1.0
 
 
 def gpu_kind(name: str) -> GpuKind | None:
-    """The table's entry for a GPU name (``H100``, ``NVIDIA H200``, ``a100-sxm4-80gb``...); None if unknown."""
+    """The table's entry for a GPU name (``H100``, ``NVIDIA H200``, ``a100-sxm4-80gb``...); None if unknown.
+
+    The most specific key whose parts all appear wins (``NVIDIA A100-SXM4-40GB`` is ``A100-40GB``)."""
     upper = name.upper()
-    for key, kind in GPU_KINDS.items():
-        if key in upper:
-            return kind
+    for key in sorted(GPU_KINDS, key=len, reverse=True):
+        if all(part in upper for part in key.split("-")):
+            return GPU_KINDS[key]
     return None
 
 
@@ -174,7 +184,10 @@ def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) ->
     if point is None:
         point = MFU_MEASURED.get((kind.name, loss_path, "full", "module"))
         if point is None:
-            return DEFAULT_MFU, f"stated default (no measurement for {kind.name})"
+            return DEFAULT_MFU, (
+                f"stated default: {kind.name} is the datasheet model (dzctl never measured one; its peak and "
+                "memory bandwidth only)"
+            )
         return point.mfu, f"measured ({kind.name}, loss {loss_path}, full fine-tuning's: {point.source})"
     where = f"measured ({kind.name}, loss {loss_path}: {point.source})"
     if point.micro_batch_size is None or plan.micro_batch_size is None:

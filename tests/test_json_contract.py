@@ -72,6 +72,21 @@ def test_a_command_that_printed_its_result_adds_no_second_object(tmp_path):
     assert outcome["job_id"] == "deadjob-1" and outcome["hosts"]["deadnode"].startswith("error: ")
 
 
+# `launch --dry-run --json` on success: DESIGN §2's keys, the memory plan, and which of zero.config's "auto"
+# values the plan filled (empty for a generated config; tests/test_user_zero_config_speed.py fills some).
+DRY_RUN_KEYS = {"job", "job_id", "world_size", "master_addr", "master_port", "nodes", "memory", "ds_config_auto_filled"}
+
+
+def test_a_dry_run_with_json_prints_its_contract_keys(tmp_path):
+    job, hosts = str(ROOT / "jobs" / "qwen72b.yaml"), str(ROOT / "hostfiles" / "2x4.txt")
+    result = _dzctl(tmp_path / "home", "launch", job, "--hosts", hosts, "--dry-run", "--json",
+                    "--gpu-mem-gib", "140", "--host-mem-gib", "2048")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = json.loads(result.stdout)
+    assert set(shown) >= DRY_RUN_KEYS
+    assert shown["ds_config_auto_filled"] == []
+
+
 @pytest.mark.integration
 def test_status_watch_json_prints_json_lines_until_the_job_ends(cluster, tmp_path):
     from test_stop import _record

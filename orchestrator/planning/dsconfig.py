@@ -22,6 +22,9 @@ API (stable; callers rely on it):
 - ``merge(base, overrides) -> dict``: deep merge, overrides win.
 - ``fill_auto(ds, resolved, world_size, spec) -> dict``: replace ``"auto"`` values
   with the resolved ones, for a config that must be concrete before launch.
+- ``auto_filled(user, final, overrides) -> list[(key, value)]``: which of ``zero.config``'s
+  ``"auto"`` values the job's config filled, and with what (``launch --dry-run`` shows them);
+  ``auto_left(final) -> list[key]``: those still ``"auto"`` (the HF Trainer fills them).
 - ``ds_config_for(spec, user_config, resolved, world_size) -> dict``: the one entry point:
   ``zero.config`` (if given, already read) or the generated config, plus ``zero.overrides``;
   ``job_ds_config(loaded_job, resolved, world_size)`` reads ``zero.config`` first.
@@ -335,11 +338,59 @@ def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: Job
     return out
 
 
+def _auto_paths(config: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a config whose value is ``"auto"``, in the config's own order."""
+    if config == "auto":
+        return [prefix]
+    if not isinstance(config, dict):
+        return []
+    paths: list[str] = []
+    for key, value in config.items():
+        paths += _auto_paths(value, f"{prefix}.{key}" if prefix else key)
+    return paths
+
+
+def _at(config: Any, dotted: str) -> tuple[bool, Any]:
+    for key in dotted.split("."):
+        if not isinstance(config, dict) or key not in config:
+            return False, None
+        config = config[key]
+    return True, config
+
+
+def auto_filled(
+    user: dict[str, Any] | None, final: dict[str, Any], overrides: dict[str, Any] | None = None
+) -> list[tuple[str, Any]]:
+    """The ``"auto"`` values of ``zero.config`` that the job's config fills, as (dotted key, value filled in).
+
+    A key ``zero.overrides`` sets is the user's own value, not a fill; one still ``"auto"`` is left to the
+    HF Trainer (``auto_left``). No ``zero.config``: nothing of the user's was ``"auto"``.
+    """
+    filled = []
+    for key in _auto_paths(user or {}):
+        if _at(overrides or {}, key)[0]:
+            continue
+        present, value = _at(final, key)
+        if present and value != "auto":
+            filled.append((key, value))
+    return filled
+
+
+def auto_left(final: dict[str, Any]) -> list[str]:
+    """The dotted keys still ``"auto"`` in a job's config: the HF Trainer fills them from its arguments."""
+    return _auto_paths(final)
+
+
 def ds_config_for(spec: JobSpec, user: dict[str, Any] | None, resolved: Resolved, world_size: int) -> dict[str, Any]:
     """The job's config: the user's ``zero.config`` (autos filled) or the generated one; overrides last."""
     if user is None:
         return build_ds_config(spec, resolved, world_size)
-    return merge(fill_auto(user, resolved, world_size, spec), spec.zero.overrides)
+    config = merge(fill_auto(user, resolved, world_size, spec), spec.zero.overrides)
+    zero = config.get("zero_optimization")
+    if resolved.hpz_partition_size > 1 and isinstance(zero, dict) and "zero_hpz_partition_size" not in zero:
+        # The step-time model chose hpZ for a config that leaves it unset: its predicted step needs it written.
+        zero["zero_hpz_partition_size"] = resolved.hpz_partition_size
+    return config
 
 
 def job_ds_config(loaded: LoadedJob, resolved: Resolved, world_size: int) -> dict[str, Any]:

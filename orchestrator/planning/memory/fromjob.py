@@ -15,6 +15,7 @@ from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
 from ..speed.communication import Links
 from ..speed.steptime import GpuKind
+from ..speed.usersettings import user_zero_settings
 from ..speed.zerochoice import choose_zero
 from . import globalbatch
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
@@ -230,6 +231,7 @@ def plan_for_job(
             lora=lora_shape,
             micro_auto=allowed.micro_batch_size is None,
             checkpointing_auto=allowed.gradient_checkpointing is None,
+            user_settings=user_zero_settings(inputs.user_ds_config, spec.zero.overrides, spec.zero.config),
         )
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
             spec = spec.model_copy(

@@ -4,7 +4,9 @@ After the memory planner has chosen micro-batch, checkpointing and offload, a mu
 job with known links tries hpZ (``zero_hpz_partition_size`` = GPUs per node) and larger
 buckets, each re-checked against memory (hpZ's secondary copy and the buckets are terms of
 the estimate), and keeps the fastest predicted setting. ``zero.config`` and
-``zero.overrides`` still decide whatever they name: the model then predicts their values.
+``zero.overrides`` still decide whatever they name: the model then predicts their values
+(``usersettings.py``: ``overlap_comm``, the bucket sizes, the persistence threshold, the reuse
+distance, hpZ), and the plan's notes name the file and key each came from.
 
 Never chosen: ZeRO++'s quantized weights (qwZ) and gradients (qgZ). In bf16, qwZ
 dequantizes wrongly in every released DeepSpeed (the fix, deepspeedai/DeepSpeed#8215, is on
@@ -21,6 +23,7 @@ from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, hos
 from ..shape import ModelShape
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
 from .steptime import (
+    DEFAULT_OVERLAP,
     ComputePlan,
     GpuKind,
     StepTime,
@@ -30,6 +33,7 @@ from .steptime import (
     optimizer_seconds,
     predict,
 )
+from .usersettings import UserZeroSettings, user_zero_settings
 
 # Bucket sizes tried on multi-node jobs, as multiples of the hidden²-sized default: fewer,
 # larger reduce-scatters and gathers pay the per-collective latency fewer times; 4× costs
@@ -62,6 +66,7 @@ class SpeedPlan:
     notes: tuple[str, ...] = field(default=())
     warning: str | None = None
     offload_modelled: bool = True  # False: the plan offloads, which the model does not time
+    user_settings: UserZeroSettings = field(default_factory=UserZeroSettings)  # what the job's config fixed, where
 
     def to_dict(self) -> dict[str, Any]:
         step = self.step
@@ -77,6 +82,7 @@ class SpeedPlan:
             "reduce_bucket_size": self.buckets.reduce if self.buckets else None,
             "prefetch_bucket_size": self.buckets.prefetch if self.buckets else None,
             "offload_modelled": self.offload_modelled,
+            "user_settings": self.user_settings.to_list(),
             "notes": list(self.notes),
             "warning": self.warning,
         }
@@ -101,6 +107,7 @@ def choose_zero(
     lora: LoraShape | None,
     micro_auto: bool = False,
     checkpointing_auto: bool = False,
+    user_settings: UserZeroSettings | None = None,
 ) -> MemoryPlan:
     """The plan with hpZ and buckets chosen by the step-time model, and its ``speed`` filled in.
 
@@ -108,6 +115,8 @@ def choose_zero(
     ``micro_auto``/``checkpointing_auto``: the spec leaves the micro-batch / the checkpointed layer
     count to the planner, so a setting that needs memory (hpZ's copy, larger buckets) may take a
     smaller micro-batch or recompute more layers; the step-time model weighs both.
+    ``user_settings``: the speed-relevant keys of ``fixed_config`` with the file each came from
+    (``usersettings.user_zero_settings``); None: read from ``fixed_config``, its file unnamed.
     """
     slots = plan.hardware.slots_per_node
     layout = Layout(gpus_per_node=max(slots), nodes=len(slots))
@@ -134,12 +143,19 @@ def choose_zero(
             f"offload {plan.choice.offload}: its PCIe traffic and the CPU optimizer step are not in this "
             "prediction (it is a lower bound on the step time)"
         )
+    settings = user_settings if user_settings is not None else user_zero_settings(fixed_config, None, None)
+    notes += settings.notes()
+    # overlap_comm false: DeepSpeed runs the collectives on the compute stream, nothing is hidden.
+    overlap = 0.0 if settings.overlap_off else DEFAULT_OVERLAP
+    reuse_distance = settings.integer("stage3_max_reuse_distance")
     p = 2 if plan.precision in ("bf16", "fp16") else 4
     grad_numels = _trained_numels(shape, lora)
     world = layout.nodes * layout.gpus_per_node
 
     def run(hpz: int, buckets: Buckets, candidate: MemoryPlan) -> StepTime:
         zero = ZeroSettings(buckets.reduce, buckets.prefetch, buckets.persistence, hpz)
+        if reuse_distance is not None:
+            zero = replace(zero, max_reuse_distance=reuse_distance)
         micro = candidate.choice.micro_batch_size
         return predict(
             shape,
@@ -148,6 +164,7 @@ def choose_zero(
             layout=layout,
             zero=zero,
             links=links,
+            overlap=overlap,
             flops_per_s=compute_rate(gpu, plan.fused_loss, _compute_plan(candidate)),
             param_bytes=p,
             grad_bytes=p,
@@ -161,6 +178,9 @@ def choose_zero(
         )
 
     default = plan.buckets
+    user_persistence = settings.integer("stage3_param_persistence_threshold")
+    if user_persistence is not None:  # the weights it keeps whole are neither gathered nor partitioned
+        default = replace(default, persistence=user_persistence)
     user_hpz = _int_or_none(user.get("zero_hpz_partition_size"))
     user_reduce = _int_or_none(user.get("reduce_bucket_size"))
     user_prefetch = _int_or_none(user.get("stage3_prefetch_bucket_size"))
@@ -200,7 +220,8 @@ def choose_zero(
             if best is None or per_token < best[0] * 0.99:
                 best = (per_token, hpz, buckets, step, candidate)
     if best is None:  # not even the plan's own settings re-fit: keep the plan as it was
-        return replace(plan, speed=SpeedPlan(step=plain, plain=plain, gpu=gpu.name, notes=tuple(notes)))
+        speed = SpeedPlan(step=plain, plain=plain, gpu=gpu.name, notes=tuple(notes), user_settings=settings)
+        return replace(plan, speed=speed)
     _, hpz, buckets, step, chosen = best
     mfu, mfu_source = mfu_for(gpu, plan.fused_loss, _compute_plan(chosen))
     if hpz > 1 and user_hpz is None:
@@ -230,6 +251,7 @@ def choose_zero(
         hpz_partition_size=hpz,
         buckets=buckets,
         notes=tuple(notes),
+        user_settings=settings,
         offload_modelled=chosen.choice.offload == "none",
         warning=comm_bound_warning(
             step,

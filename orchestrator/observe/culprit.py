@@ -74,18 +74,20 @@ def name_culprit(nodes: list[dict], step: int | None = None) -> dict | None:
     ranks = [dict(r, node_rank=n["node_rank"], host=n["host"]) for n in nodes for r in n.get("ranks") or []]
     for r in ranks:
         r["collective"] = collective_of(r.get("stack"))
-    inside = Counter(r["collective"] for r in ranks if r["collective"])
+        r["fault"] = rank_fault(r)
+    # The collective the healthy ranks wait in: a stopped rank may have been stopped inside it too,
+    # but it is not waiting for anyone.
+    inside = Counter(r["collective"] for r in ranks if r["collective"] and not r["fault"])
     collective = inside.most_common(1)[0][0] if inside else None
-    waiting = sorted(r["rank"] for r in ranks if collective and r["collective"] == collective)
+    waiting = sorted(r["rank"] for r in ranks if collective and r["collective"] == collective and not r["fault"])
     found: list[tuple[dict, str, str]] = []
     for node in nodes:
         if not node.get("reachable", True):
             found.append(({"rank": None, "node_rank": node["node_rank"], "host": node["host"]}, "unreachable",
                           f"no longer answers ({node.get('error') or 'unreachable'})"))  # fmt: skip
     for r in ranks:
-        fault = rank_fault(r)
-        if fault:
-            found.append((r, *fault))
+        if r["fault"]:
+            found.append((r, *r["fault"]))
     if not found and collective:
         found = [(r, "not-in-collective", f"is not in {collective} ({_where(r)})")
                  for r in ranks if r["collective"] != collective]  # fmt: skip

@@ -187,19 +187,30 @@ def _stack(pid: int, state: str | None, stacks: Path, wait_s: float) -> tuple[st
     if stopped:
         os.kill(pid, signal.SIGCONT)  # only for the dump: stopped again below, as it was found
     deadline = time.monotonic() + wait_s
+    # A stopped rank runs only until its dump is whole (the file has grown and then held its size for
+    # 5 ms: a dump takes about a millisecond), so that it cannot end a step meanwhile; a running one
+    # gets a longer settle.
+    settle = 0.005 if stopped else 0.2
+    size, still_since = before, None
     try:
         while time.monotonic() < deadline:
-            # faulthandler writes the whole dump in one pass; a short settle lets the last thread's lines land.
-            if stacks.exists() and stacks.stat().st_size > before:
-                time.sleep(0.2)
-                with open(stacks, "rb") as handle:
-                    handle.seek(before)
-                    return handle.read().decode(errors="replace"), "faulthandler (SIGUSR1)"
-            time.sleep(0.05)
+            now_size = stacks.stat().st_size if stacks.exists() else 0
+            if now_size > before and now_size == size:
+                still_since = still_since or time.monotonic()
+                if time.monotonic() - still_since >= settle:
+                    break
+            else:
+                still_since = None
+            size = now_size
+            time.sleep(0.001 if stopped else 0.02)
     finally:
         if stopped:
             os.kill(pid, signal.SIGSTOP)
-    return None, f"no stack within {wait_s:g} s of SIGUSR1"
+    if size <= before:
+        return None, f"no stack within {wait_s:g} s of SIGUSR1"
+    with open(stacks, "rb") as handle:
+        handle.seek(before)
+        return handle.read().decode(errors="replace"), "faulthandler (SIGUSR1)"
 
 
 def _nccl_dump(pipe: Path, trace: Path, wait_s: float) -> dict:

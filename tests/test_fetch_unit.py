@@ -116,8 +116,10 @@ def test_auto_keeps_module_where_the_plan_offloads_the_weights():
     assert plan.fetch_unit == "module"
 
 
-def test_the_by_layer_costs_are_the_fit_of_the_committed_grid_and_reproduce_it():
-    """recompute_h200.py --refit of the grid gives LORA_BY_LAYER's constants, and they give its steps within 6 %."""
+def test_regression_guard_the_by_layer_costs_are_the_fit_of_the_committed_grid_and_reproduce_it():
+    """A regression guard, in-sample: NOT a measure of accuracy. recompute_h200.py's fit of the by-layer grid
+    gives LORA_BY_LAYER's constants, and they reproduce the grid they were fitted on within 6 %; steps left
+    out of the fit are issue 42's to measure."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("recompute_h200", ROOT / "benchmarks" / "recompute_h200.py")
@@ -139,12 +141,40 @@ def test_the_by_layer_costs_are_the_fit_of_the_committed_grid_and_reproduce_it()
     assert min(p["median_step_s"] for p in points if p["micro"] == 2) < 0.85
 
 
+def _peaks_measured_by_layer() -> dict[str, tuple[int, int, float]]:
+    """Every peak (GiB, max_memory_allocated) measured by layer in the committed results, read from them:
+    each point of the by-layer grid, and each launch whose plan or --set says ``zero.fetch_unit`` layer.
+    Name -> (micro-batch, checkpointed layers, peak)."""
+    grid = json.loads((RESULTS / "recompute-lora-grid-lora-layer.json").read_text(encoding="utf-8"))
+    assert grid["layers"] == QWEN3_8B.num_layers and grid["seq"] == 4096
+    peaks = {
+        f"grid micro {p['micro']}, {p['checkpointed']} checkpointed": (
+            p["micro"],
+            p["checkpointed"],
+            p["peak_allocated_gib"],
+        )
+        for p in grid["points"]
+        if "peak_allocated_gib" in p
+    }
+    for summary in sorted(RESULTS.glob("*/summary.json")):
+        launch = json.loads(summary.read_text(encoding="utf-8"))
+        (result,) = launch["results"]
+        plan = result["plan"]
+        if plan.get("fetch_unit") == "layer" or "zero.fetch_unit=layer" in result["overrides"]:
+            assert launch["layers"] == QWEN3_8B.num_layers and launch["seq"] == 4096, summary
+            peak = max(result["peak_allocated_gib"])  # one figure per rank; one rank here
+            peaks[summary.parent.name] = (plan["micro_batch_size"], plan["checkpointed_layers"], peak)
+    return peaks
+
+
 def test_the_estimate_is_within_5_percent_of_the_peaks_measured_by_layer():
     """The fetch unit does not enter the estimate: a layer (0.19 B weights) is gathered whole, as the
-    embedding (0.62 B) already is. Peaks (GiB, max_memory_allocated) of the grid and of the launches."""
-    measured = {(2, 0): 54.9, (4, 0): 92.54, (6, 0): 130.84, (6, 14): 89.33, (8, 14): 113.73, (5, 0): 111.67}
-    for (micro, n), gib in measured.items():
+    embedding (0.62 B) already is. The peaks are read from fetchunit2-h200x1-20261204: the 14 grid points
+    that fitted and the 7 launches by layer (a changed or missing result file changes what is checked)."""
+    measured = _peaks_measured_by_layer()
+    assert len(measured) == 14 + 7, sorted(measured)
+    for name, (micro, n, gib) in measured.items():
         choice = Choice.with_layers(micro, n, QWEN3_8B.num_layers, "none")
         peak = estimate(QWEN3_8B, choice, seq_len=4096, precision="bf16", world_size=1, fused_loss="liger",
                         lora=LORA).gpu_peak  # fmt: skip
-        assert peak / GIB == pytest.approx(gib, rel=0.05), (micro, n)
+        assert peak / GIB == pytest.approx(gib, rel=0.05), name

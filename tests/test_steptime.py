@@ -152,14 +152,17 @@ def _speed_vs_measured():
     return module
 
 
-def test_one_h200_predicted_step_against_every_committed_launch():
-    """One GPU: compute alone, the measured MFU scaled by the recompute model to each launch's plan.
+def test_regression_guard_the_one_h200_model_reproduces_the_launches_it_was_fitted_on():
+    """A regression guard, in-sample: NOT a measure of the model's accuracy.
 
-    Full fine-tuning: every launch within ±15 % (micro 4 to 36, 0 to 18 of 18 layers checkpointed,
-    accumulation 1 and 8, SFT rows and synthetic, fetch unit module and layer). LoRA: within ±20 %; two
-    launches by module fall outside ±15 % (benchmarks/results/speed-vs-measured-20261204): the slow one
-    of seven equal launches (-17.7 %) and one of three of micro 4 without checkpointing (+15.5 %), where
-    the step is under ZeRO-3's hook floor. Against each configuration's median launch, all are within ±15 %.
+    The model's constants were fitted and revised on these very launches (the MFU reference points, the
+    optimizer's bytes per parameter, the recompute costs), so agreeing with them says only that a change
+    to the model did not move it away from its own fit. Accuracy is measured on launches left out of the
+    fit (issue 42). One GPU: compute alone, the measured MFU scaled by the recompute model to each
+    launch's plan. The bounds hold today's in-sample errors (benchmarks/results/speed-vs-measured-20261204):
+    full fine-tuning ±15 %, LoRA ±20 % with two launches by module beyond ±15 % (the slow one of seven
+    equal launches, -17.7 %, and one of three of micro 4 without checkpointing, +15.5 %), and each
+    configuration's median launch ±15 %.
     """
     script = _speed_vs_measured()
     results = REPO / "benchmarks" / "results"
@@ -175,9 +178,13 @@ def test_one_h200_predicted_step_against_every_committed_launch():
         assert abs(predicted / statistics.median(measured) - 1) <= 0.15, key
 
 
-def test_the_optimizer_step_is_paid_once_per_optimizer_step():
-    """Full fine-tuning at accumulation 1 was predicted 9-13 % fast without it (the step of the 18-layer
-    shape with micro 6 and 5 checkpointed: 1.162 s against 1.311-1.340 s measured in six launches)."""
+def test_regression_guard_the_optimizer_step_is_paid_once_per_optimizer_step():
+    """A regression guard, in-sample: NOT a measure of accuracy. The optimizer's term was added because of
+    the launches the first half compares with (without it the model put them 9-13 % fast: the 18-layer shape
+    with micro 6 and 5 checkpointed, 1.162 s against 1.311-1.340 s in six launches), and
+    OPTIMIZER_BYTES_PER_PARAM was fitted on full-sft launches of the same folder (steady-h200x1-20261204,
+    and -g32): the model was revised on them. The second half checks optimizer_seconds itself. Accuracy is
+    measured on launches left out of the fit (issue 42)."""
     script = _speed_vs_measured()
     runs = dict(script.one_h200_launches(REPO / "benchmarks" / "results"))
     for name in [n for n in runs if "/full-syn-" in n and "-g32-" not in n]:

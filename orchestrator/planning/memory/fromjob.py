@@ -14,6 +14,7 @@ from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
 from ..speed.communication import Links
+from ..speed.offload import HostOptimizer
 from ..speed.steptime import GpuKind
 from ..speed.usersettings import user_zero_settings
 from ..speed.zerochoice import choose_zero
@@ -28,6 +29,7 @@ class SpeedInputs:
 
     gpu: GpuKind | None
     links: Links | None
+    host: HostOptimizer | None = None  # the slowest node's AdamW rate, for an offloaded optimizer's step
 
 
 def allowed_from(inputs: JobInputs) -> Allowed:
@@ -227,6 +229,7 @@ def plan_for_job(
             inputs.shape,
             gpu=speed.gpu,
             links=speed.links,
+            host=speed.host,
             fixed_config=fixed,
             lora=lora_shape,
             micro_auto=allowed.micro_batch_size is None,

@@ -22,6 +22,7 @@ from ..memory.estimate import Buckets, Choice, LoraShape, estimate
 from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from ..shape import ModelShape
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
+from .offload import HostOptimizer, offloaded_optimizer_seconds
 from .steptime import (
     DEFAULT_OVERLAP,
     ComputePlan,
@@ -105,6 +106,7 @@ def choose_zero(
     links: Links | None,
     fixed_config: dict[str, Any],
     lora: LoraShape | None,
+    host: HostOptimizer | None = None,
     micro_auto: bool = False,
     checkpointing_auto: bool = False,
     user_settings: UserZeroSettings | None = None,
@@ -112,6 +114,7 @@ def choose_zero(
     """The plan with hpZ and buckets chosen by the step-time model, and its ``speed`` filled in.
 
     ``fixed_config``: the user's ``zero.config`` merged with ``zero.overrides`` (what they force).
+    ``host``: the slowest node's AdamW rate (planning/speed/offload.py), which times an offloaded optimizer.
     ``micro_auto``/``checkpointing_auto``: the spec leaves the micro-batch / the checkpointed layer
     count to the planner, so a setting that needs memory (hpZ's copy, larger buckets) may take a
     smaller micro-batch or recompute more layers; the step-time model weighs both.
@@ -138,10 +141,20 @@ def choose_zero(
             "per node in Gbit/s)"
         )
         return replace(plan, speed=SpeedPlan(step=None, gpu=gpu.name, notes=tuple(notes)))
-    if plan.choice.offload != "none":
+    if plan.choice.offload_param:
         notes.append(
-            f"offload {plan.choice.offload}: its PCIe traffic and the CPU optimizer step are not in this "
+            f"offload {plan.choice.offload}: the weights' PCIe traffic and the CPU optimizer step are not in this "
             "prediction (it is a lower bound on the step time)"
+        )
+    elif plan.choice.offload_optimizer and host is None:
+        notes.append(
+            "offload optimizer: the host's AdamW step is not in this prediction (no rate measured: launch measures "
+            "it on every node, dzctl plan takes --host-adam-rate); it is a lower bound on the step time"
+        )
+    elif plan.choice.offload_optimizer:
+        notes.append(
+            f"offload optimizer: the host's AdamW step is timed from the {host.describe()}; the gradients go "
+            "down during the backward (overlap_comm), beside the compute"
         )
     settings = user_settings if user_settings is not None else user_zero_settings(fixed_config, None, None)
     notes += settings.notes()
@@ -171,10 +184,7 @@ def choose_zero(
             grad_numels=grad_numels,
             checkpointing=plan.choice.gradient_checkpointing,
             accumulation=candidate.gradient_accumulation_steps,
-            # An offloaded optimizer steps on the CPU: not timed (the plan says so).
-            optimizer_s=0.0
-            if candidate.choice.offload_optimizer
-            else optimizer_seconds(gpu, plan.estimate.trainable_params / world),
+            optimizer_s=_optimizer_s(candidate, gpu, host, world, layout.gpus_per_node, p),
         )
 
     default = plan.buckets
@@ -252,7 +262,7 @@ def choose_zero(
         buckets=buckets,
         notes=tuple(notes),
         user_settings=settings,
-        offload_modelled=chosen.choice.offload == "none",
+        offload_modelled=chosen.choice.offload == "none" or (host is not None and not chosen.choice.offload_param),
         warning=comm_bound_warning(
             step,
             chosen,
@@ -264,6 +274,19 @@ def choose_zero(
         ),
     )
     return replace(chosen, speed=speed)
+
+
+def _optimizer_s(
+    plan: MemoryPlan, gpu: GpuKind, host: HostOptimizer | None, world: int, gpus_per_node: int, param_bytes: int
+) -> float:
+    """The optimizer's own step: on the GPU (memory-bound over its partition), or on the host where offloaded
+    (0 where the host's rate is not known: the plan says the prediction is a lower bound)."""
+    per_gpu = plan.estimate.trainable_params / world
+    if not plan.choice.offload_optimizer:
+        return optimizer_seconds(gpu, per_gpu)
+    if host is None or plan.choice.offload_param:
+        return 0.0
+    return offloaded_optimizer_seconds(host, per_gpu, gpus_per_node, param_bytes)
 
 
 def _compute_plan(plan: MemoryPlan) -> ComputePlan:

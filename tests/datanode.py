@@ -2,8 +2,9 @@
 
 What ``orchestrator.train.run`` does on a node before the process group starts, and nothing
 else: load the job, build or wait for the data cache (``train/data/prepare.py``) with the
-byte-level tokenizer. It prints every line the builder says, then ``result {json}`` or
-``error: MESSAGE``, and exits 0, or the error's exit code (a crash: Python's traceback, exit 1).
+byte-level tokenizer. It prints when it starts preparing, every line the builder says and
+when it ended, then ``result {json}`` or ``error: MESSAGE``, and exits 0, or the error's exit
+code (a crash: Python's traceback, exit 1).
 ``tests/test_data_cache_shared.py`` runs several at once on one cache folder, as nodes
 sharing storage do.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,11 +27,12 @@ from orchestrator.train.data.tokenizer import build_byte_level_tokenizer  # noqa
 
 def main(job: str, cache_dir: str, local_rank: str) -> int:
     loaded = load_job(Path(job), [])
-    print("started", flush=True)
+    tokenizer = build_byte_level_tokenizer()
+    print(f"preparing at {time.time()}", flush=True)  # the test measures how long this rank waited
     try:
         got = prepare.prepare(
             loaded,
-            build_byte_level_tokenizer(),
+            tokenizer,
             packing=False,
             local_rank=int(local_rank),
             cache_dir=Path(cache_dir),
@@ -38,6 +41,8 @@ def main(job: str, cache_dir: str, local_rank: str) -> int:
     except DzError as exc:
         print(f"error: {exc.message}", flush=True)
         return exc.exit_code
+    finally:
+        print(f"ended at {time.time()}", flush=True)
     print("result " + json.dumps({"key": got.key, "cached": got.cached, "examples": got.data.examples}), flush=True)
     return 0
 

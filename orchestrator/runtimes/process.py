@@ -319,6 +319,9 @@ def stop(args: argparse.Namespace) -> int:
     tree = {p: _start_ticks(p) for p in _descendants(pid)}
     # SIGTERM first: torchrun forwards it to the ranks, which can exit cleanly.
     _signal_all(tree, signal.SIGTERM)
+    # Then SIGCONT (as systemd does): a stopped rank (SIGSTOP, a hang someone paused) cannot act on its
+    # SIGTERM until continued, and would hold the stop for the whole grace; a running one ignores it.
+    _signal_all(tree, signal.SIGCONT)
     deadline = time.monotonic() + args.grace
     while time.monotonic() < deadline and any(_alive(p, t) for p, t in tree.items()):
         time.sleep(0.2)

@@ -8,20 +8,17 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from ..backends import launcher
 from ..backends.fleet import SshFleet
 from ..backends.recovery import supervisor as recovery
-from ..errors import InputError, RuntimeFailure, SpecError
+from ..errors import DzError, InputError, RuntimeFailure, SpecError
 from ..observe.rankfailure import failure_lines
 from ..observe.store import JobStore
 from ..planning.dsconfig import auto_filled, auto_left
 from ..planning.launchplan import LaunchPlan, shell_line
 from ..planning.speed.spacing import describe as describe_spacing
-from ..preflight.render import print_report
 from ..transport.pool import HostPool
-from .busy import busy
 from .follow import follow_job, output_mode
 from .localhw import hardware_for
 from .options import (
@@ -35,27 +32,10 @@ from .options import (
     slurm_options,
     ssh_options,
 )
+from .plan import ConsoleProgress
 from .plan import render as render_memory
 
 log = logging.getLogger(__name__)
-
-
-class ConsoleProgress:
-    """The launch sequence's progress on stderr: with --json, stdout holds exactly one object."""
-
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-
-    def note(self, text: str) -> None:
-        click.echo(text, err=True)
-
-    def preflight(self, report, *, final: bool) -> None:
-        # The report is shown after the checks, except under --json where only a failure is.
-        if final or not report.ok or not self.as_json:
-            print_report(report, Console(stderr=True, highlight=False, soft_wrap=True))
-
-    def busy(self, what: str):
-        return busy(what)
 
 
 @click.command("launch")
@@ -236,18 +216,20 @@ def supervisor_args(job, hostfile, include, exclude, num_nodes, num_gpus, ssh_co
     }
 
 
-def job_failed(job_id: str, state: str, failure: dict | None, *, shown_above: bool = False) -> RuntimeFailure:
+def job_failed(job_id: str, state: str, failure: dict | None, *, shown_above: bool = False) -> DzError:
     """The launch's error for a job that did not succeed: the first failed rank's message and own fix, once.
 
     ``shown_above``: the live view's last frame has them at its top already; the error then only
-    says so. Without a fix of the rank's own, the fix is to read the logs.
+    says so. Without a fix of the rank's own, the fix is to read the logs. A rank that exited 2 refused the
+    job's own input (a bad data row, say): the launch exits 2 too, as it would had the controller seen it.
     """
     if failure is None:
         return RuntimeFailure(f"job {job_id} {state}", fix=f"dzctl logs {job_id} --tail 100")
+    error = InputError if failure.get("exit_code") == 2 else RuntimeFailure
     if shown_above:
-        return RuntimeFailure(f"job {job_id} {state}: the first failure and its fix are at the top of the view")
+        return error(f"job {job_id} {state}: the first failure and its fix are at the top of the view")
     what = failure_lines(failure)[0].removeprefix("first failure: ")
-    return RuntimeFailure(f"job {job_id} {state}: {what}", fix=failure.get("fix") or f"dzctl logs {job_id} --tail 100")
+    return error(f"job {job_id} {state}: {what}", fix=failure.get("fix") or f"dzctl logs {job_id} --tail 100")
 
 
 def launch_on_slurm(job, request, *, dry_run: bool, follow: bool | None, as_json: bool) -> None:

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         stopped.append(signum)
         if args.container:
             subprocess.run(["docker", "stop", "--time", "5", args.container], capture_output=True, check=False)
-        _signal_all({p: _start_ticks(p) for p in _descendants(os.getpid()) if p != os.getpid()}, signal.SIGTERM)
+        _signal_all({p: _start_ticks(p) for p in descendants(os.getpid()) if p != os.getpid()}, signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -233,7 +233,7 @@ def _become_subreaper() -> None:
 
 def _kill_orphans() -> None:
     me = os.getpid()
-    _signal_all({pid: _start_ticks(pid) for pid in _descendants(me) if pid != me}, signal.SIGKILL)
+    _signal_all({pid: _start_ticks(pid) for pid in descendants(me) if pid != me}, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG) != (0, 0):
             pass
@@ -282,7 +282,7 @@ def follow(args: argparse.Namespace) -> int:
             time.sleep(0.25)
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
     """``root`` and every process below it, from /proc (torchrun starts each worker in its own
     session, so killing the launcher's process group alone would orphan the workers)."""
     children: dict[int, list[int]] = {}
@@ -316,7 +316,7 @@ def stop(args: argparse.Namespace) -> int:
         return 0  # ended, or the pid now belongs to another process: nothing of ours to signal
     # Collect the tree before signalling: once the launcher dies its workers are re-parented.
     # Each pid with its start time: during the grace period an exited pid can be reused.
-    tree = {p: _start_ticks(p) for p in _descendants(pid)}
+    tree = {p: _start_ticks(p) for p in descendants(pid)}
     # SIGTERM first: torchrun forwards it to the ranks, which can exit cleanly.
     _signal_all(tree, signal.SIGTERM)
     # Then SIGCONT (as systemd does): a stopped rank (SIGSTOP, a hang someone paused) cannot act on its

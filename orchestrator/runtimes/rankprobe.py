@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from .process import descendants  # the same tree the process runtime stops
+
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
 # x86_64 and aarch64 numbers of the blocking calls worth naming (the rest are told by number).
 _SYSCALLS = {
@@ -62,13 +64,6 @@ def _read(path: str | Path) -> str:
 def _state(pid: int) -> str | None:
     text = _read(f"/proc/{pid}/stat")
     return text.rpartition(")")[2].split()[0] if text else None
-
-
-def _ppid(pid: int) -> int | None:
-    text = _read(f"/proc/{pid}/stat")
-    with contextlib.suppress(IndexError, ValueError):
-        return int(text.rpartition(")")[2].split()[1])
-    return None
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -106,21 +101,6 @@ def blocked_on(pid: int) -> dict | None:
             else:
                 mode = os.stat(f"/proc/{pid}/fd/{fd}").st_mode
                 found["kind"] = "FIFO" if stat.S_ISFIFO(mode) else "file"
-    return found
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            ppid = _ppid(int(entry.name))
-            if ppid is not None:
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
     return found
 
 

@@ -45,11 +45,13 @@ def early_defaults(accelerator: str, env: MutableMapping[str, str] | None = None
         # 6,678 and 6,722 tokens/s/GPU in two device calls): headroom is worth it,
         # since real data of varying lengths fragments more than that benchmark.
         wanted["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    applied = {}
-    for name, value in wanted.items():
-        if name not in env:
-            env[name] = value
-            applied[name] = value
+    return set_missing(env, wanted)
+
+
+def set_missing(env: MutableMapping[str, str], wanted: dict[str, str]) -> dict[str, str]:
+    """Set each wanted variable the environment does not have (a user's own value wins); return those set."""
+    applied = {name: value for name, value in wanted.items() if name not in env}
+    env.update(applied)
     return applied
 
 

@@ -26,6 +26,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from ...spec.recovery import PULSE_FILE, rank_files_dir
+from ..environment import set_missing
 
 TRACE_ENTRIES = "2000"  # the flight recorder's ring: about the last 2000 collectives of each rank
 RECENT_STEPS = 20
@@ -45,12 +46,7 @@ def flight_recorder_env(folder: Path, env: MutableMapping[str, str]) -> dict[str
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder / "nccl-trace-rank-"),
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(folder / "nccl-pipe-rank-"),
     }
-    applied = {}
-    for name, value in wanted.items():
-        if name not in env:
-            env[name] = value
-            applied[name] = value
-    return applied
+    return set_missing(env, wanted)
 
 
 def prepare(output_dir: Path, accelerator: str, env: MutableMapping[str, str] = os.environ) -> Path:

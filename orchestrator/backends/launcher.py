@@ -31,11 +31,13 @@ from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.resolve import ResolvedJob, resolve_job
 from ..planning.speed.atlaunch import measured_links_note, predicted_step_line, speed_inputs_at_launch, speed_notes
+from ..planning.speed.calibration import CalibrationInput, choice_source_line, kind_of
 from ..planning.speed.spacing import work_lost_per_fault
 from ..spec.hostfile import Node
 from ..spec.job import LoadedJob
 from ..transport.openssh import client_from_env
 from ..transport.pool import HostPool
+from .calibrationfile import calibration_input
 from .jobfiles import JobFile, job_files, node_spec
 from .start import Phases, Started, probe_output_storage
 
@@ -75,6 +77,9 @@ class LaunchOptions:
     skip_collective: bool = False
     collective_timeout_s: float = 60.0
     ssh_config: str | None = None  # recorded with the job, for status/logs/stop
+    # Plan with `dzctl tune`'s measured choice where one holds ($DZCTL_HOME/calibration.json); tune's own
+    # runs do not, so that they measure the model's candidates.
+    use_calibration: bool = True
 
 
 @dataclass
@@ -140,15 +145,18 @@ def dry_run(
     *,
     gpu_mem_gib: float | None = None,
     host_mem_gib: float | None = None,
+    gpu_name: str | None = None,
 ) -> DryRun:
     """Every check the launch makes before it touches a host, and the plan it would run (``launch --dry-run``).
 
     The same local inputs (``read_inputs``: spec, data, ``zero.config``, model shape) and
     the same memory plan and refusal as ``prepare``, on the hardware given here where
-    ``prepare`` has preflight's readings: a job the launch refuses, the dry run refuses.
+    ``prepare`` has preflight's readings: a job the launch refuses, the dry run refuses. ``gpu_name``: the
+    nodes' GPUs where known (this machine's for a localhost hostfile), for a ``dzctl tune`` calibration.
     """
     inputs = read_inputs(job)
-    memory, ds_config = memory_choice(inputs, nodes, gpu_mem_gib, host_mem_gib)
+    calibration = calibration_input(kind_of(job.spec.accelerator, gpu_name))
+    memory, ds_config = memory_choice(inputs, nodes, gpu_mem_gib, host_mem_gib, calibration=calibration)
     plan = make_plan(job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=inputs.secret_names)
     return DryRun(plan, memory, ds_config, inputs)
 
@@ -162,6 +170,7 @@ def memory_choice(
     nvme: dict[str, dict] | None = None,
     progress: Progress | None = None,
     speed: SpeedInputs | None = None,
+    calibration: CalibrationInput | None = None,
 ) -> tuple[MemoryPlan, dict]:
     """The planner's configuration for these nodes and its DeepSpeed config, or DoesNotFit with the numbers.
 
@@ -182,6 +191,7 @@ def memory_choice(
         # Only nodes where preflight found zero.nvme_path usable report it; all must.
         nvme=nvme_reading(nvme) if nvme and len(nvme) == len(nodes) else None,
         speed=speed,
+        calibration=calibration,
     )
     if plan.nvme_step_s is not None and progress is not None:
         progress.note(
@@ -244,8 +254,11 @@ def prepare(
     gpu_mem = _min_reading(report, "gpu_mem_gib")
     host_mem = _min_reading(report, "host_mem_gib")
     capability = _min_reading(report, "gpu_compute_capability")
+    calibration = calibration_input(nodes_gpu_kind(job, report)) if options.use_calibration else None
     with phases.timed("memory_plan"):
-        memory, ds_config = memory_choice(inputs, nodes, gpu_mem, host_mem, capability, report.nvme, progress)
+        memory, ds_config = memory_choice(
+            inputs, nodes, gpu_mem, host_mem, capability, report.nvme, progress, calibration=calibration
+        )
     # zero.offload: auto is decided only now: the ops the chosen config loads must load on every node.
     require_ops(report, ds_config, job.spec.accelerator)
     # Last before the start, as the model would load: every rank of every node in one all-reduce.
@@ -272,13 +285,15 @@ def prepare(
         if speed is not None:
             with phases.timed("speed_plan"):
                 memory, ds_config = memory_choice(
-                    inputs, nodes, gpu_mem, host_mem, capability, report.nvme, speed=speed
+                    inputs, nodes, gpu_mem, host_mem, capability, report.nvme, speed=speed, calibration=calibration
                 )
             predicted = predicted_step_line(memory.speed)
             for line in ([predicted] if predicted else []) + speed_notes(memory.speed):
                 progress.note(line)
     else:
         progress.note(measured_links_note(report.collective))
+    if calibration is not None:
+        progress.note(f"choice: {choice_source_line(memory)}")
     plan = make_plan(
         job.spec,
         nodes,
@@ -303,6 +318,12 @@ def execute(prepared: Prepared, backend: Backend, progress: Progress | None = No
     prepared.phases.seconds["total_to_running"] = round(time.monotonic() - prepared.started_at, 3)
     progress.note(f"started {started.job_id} on {len(started.hosts)} node(s): {', '.join(started.hosts)}")
     return started
+
+
+def nodes_gpu_kind(job: LoadedJob, report) -> str | None:
+    """The calibration's GPU kind of these nodes: "cpu", or the one GPU name preflight found (None: mixed)."""
+    names = set((getattr(report, "gpu_name", None) or {}).values())
+    return kind_of(job.spec.accelerator, names.pop() if len(names) == 1 else None)
 
 
 def require_preflight(report) -> None:

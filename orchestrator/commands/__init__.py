@@ -18,4 +18,5 @@ COMMANDS = {
     "preflight": "orchestrator.commands.preflight",
     "status": "orchestrator.commands.jobs",
     "stop": "orchestrator.commands.jobs",
+    "tune": "orchestrator.commands.plan",
 }

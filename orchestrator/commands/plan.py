@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+from rich.console import Console
 
-from ..errors import InputError
+from .. import __version__
+from ..backends.calibrationfile import calibration_input
+from ..errors import InputError, RuntimeFailure
 from ..planning.inputs import read_inputs
 from ..planning.memory.estimate import ALLOCATOR_MARGIN, GIB, HOST_RESERVE_FRACTION, NON_TORCH_GPU_GIB
 from ..planning.memory.fromjob import SpeedInputs, plan_for_job
 from ..planning.memory.refusal import nodes_description, require_fit
 from ..planning.memory.search import MemoryPlan
 from ..planning.shape import ModelShape
+from ..planning.speed.calibration import DEFAULT_TOP, choice_source_line, kind_of
 from ..planning.speed.communication import Links
 from ..planning.speed.offload import HostOptimizer
 from ..planning.speed.steptime import GPU_KINDS
 from ..planning.speed.steptime import gpu_kind as lookup_gpu_kind
+from ..preflight.render import print_report
 from ..spec.job import JobSpec
+from ..transport.pool import HostPool
+from .busy import busy
 from .localhw import hardware_for
 from .options import (
     hardware_options,
@@ -26,7 +35,11 @@ from .options import (
     json_option,
     load_job_from_options,
     nodes_from_options,
+    ssh_options,
 )
+
+if TYPE_CHECKING:
+    from ..backends.tune import TuneOptions, TuneResult
 
 
 # -- the step-time part (issue 30): the flags the model needs when no host was measured, and its lines --
@@ -147,8 +160,15 @@ def plan_command(
     hardware = hardware_for(nodes, gpu_mem_gib, host_mem_gib)
     host_mem_gib = hardware.host_mem_gib
     speed = speed_inputs(gpu_kind, link_gbps, intra_gbps, host_adam_rate)
+    # `dzctl tune`'s records, read once here; the GPU kind is --gpu-kind's (a CPU job's is "cpu")
+    calibration = calibration_input(kind_of(job.spec.accelerator, gpu_kind))
     plan, ds_config = plan_for_job(
-        inputs, slots, gpu_mem_gib=hardware.gpu_mem_gib, host_mem_gib=host_mem_gib, speed=speed
+        inputs,
+        slots,
+        gpu_mem_gib=hardware.gpu_mem_gib,
+        host_mem_gib=host_mem_gib,
+        speed=speed,
+        calibration=calibration,
     )
     if as_json:
         out = plan.to_dict(ds_config)
@@ -196,6 +216,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"{c.checkpointing_words(plan.estimate.num_layers)} ({how(train.gradient_checkpointing)}), offload {c.offload} "
         f"({how(spec.zero.offload)}); accumulation {plan.gradient_accumulation_steps} → global batch "
         f"{plan.train_batch_size}",
+        *([f"  {choice_source_line(plan)}"] if plan.fits else []),
         global_batch_line(plan),
         f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",
         f"ZeRO-3 fetch unit: {'each decoder layer' if plan.fetch_unit == 'layer' else 'each module'} "
@@ -275,5 +296,150 @@ def _nvme_lines(plan: MemoryPlan) -> list[str]:
     return lines
 
 
+# -- dzctl tune (issue 42): the planner's top candidates measured on one node; the fastest kept for later plans.
+# Here rather than in a module of its own: tune is the measured side of the plan, and commands/ keeps at most
+# 12 modules (tests/test_architecture.py).
+class ConsoleProgress:
+    """The launch sequence's progress on stderr: with --json, stdout holds exactly one object."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def note(self, text: str) -> None:
+        click.echo(text, err=True)
+
+    def preflight(self, report, *, final: bool) -> None:
+        # The report is shown after the checks, except under --json where only a failure is.
+        if final or not report.ok or not self.as_json:
+            print_report(report, Console(stderr=True, highlight=False, soft_wrap=True))
+
+    def busy(self, what: str):
+        return busy(what)
+
+
+def tune_options(func):
+    """``--top``, ``--steps``, ``--warmup``, ``--timeout``: how much `tune` (and `launch --tune`) measures."""
+    func = click.option(
+        "--timeout",
+        "tune_timeout",
+        type=click.FloatRange(min=1),
+        default=900.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="Most one candidate may take (its checks, start and steps); past it, it is stopped and marked failed.",
+    )(func)
+    func = click.option(
+        "--warmup",
+        type=click.IntRange(min=0),
+        default=2,
+        show_default=True,
+        help="First steps left out of each candidate's median tokens/s.",
+    )(func)
+    func = click.option(
+        "--steps", type=click.IntRange(min=1), default=6, show_default=True, help="Steps each candidate runs."
+    )(func)
+    return click.option(
+        "--top",
+        type=click.IntRange(min=1),
+        default=DEFAULT_TOP,
+        show_default=True,
+        help="Candidates measured: the model's choice and the next by its ranking.",
+    )(func)
+
+
+def tune_settings(top, steps, warmup, timeout, ssh_config, skip_collective=False) -> TuneOptions:
+    from ..backends.tune import TuneOptions  # the launch machinery loads only when a tune runs
+
+    return TuneOptions(
+        top=top,
+        steps=steps,
+        warmup=warmup,
+        timeout_s=timeout,
+        ssh_config=ssh_config,
+        skip_collective=skip_collective,
+        dzctl_version=__version__,
+        commit=source_commit(),
+    )
+
+
+def run_tune(job, nodes, settings: TuneOptions, progress, trust_new_hosts: bool) -> TuneResult:
+    """Tune on the first node; a tune where every candidate failed is a runtime failure (exit 1)."""
+    from ..backends import tune as tuning
+
+
+    first = nodes[0]
+    with HostPool([first.host], ssh_config=settings.ssh_config, trust_new_hosts=trust_new_hosts) as pool:
+        result = tuning.tune(job, [first], pool, settings, progress)
+    if result.measured and result.calibration is None:
+        reasons = "; ".join(f"candidate {m.model_rank}: {m.error}" for m in result.measured if m.error)
+        raise RuntimeFailure(
+            f"dzctl tune: no candidate measured on {first.host}" + (f" ({reasons})" if reasons else ""),
+            fix="fix what each candidate reports (dzctl logs JOB_ID shows a run's output), then tune again",
+        )
+    return result
+
+
+@click.command("tune")
+@job_options
+@hosts_options
+@ssh_options
+@tune_options
+@json_option
+def tune_command(
+    job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus, ssh_config, trust_new_hosts,
+    top, steps, warmup, tune_timeout, as_json,
+):  # fmt: skip
+    """Run the planner's top candidates a few steps each on the first node; keep the fastest for later plans.
+
+    The calibration ($DZCTL_HOME/calibration.json) holds per GPU kind, model shape, seq_len, method,
+    precision and ranks per node; `plan` and `launch` then use its fastest candidate where it fits.
+    """
+    job = load_job_from_options(job_file, overrides, runtime)
+    nodes = nodes_from_options(hostfile, include, exclude, num_nodes, num_gpus)
+    settings = tune_settings(top, steps, warmup, tune_timeout, ssh_config)
+    result = run_tune(job, nodes, settings, ConsoleProgress(as_json), trust_new_hosts)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_tune(result))
+
+
+def render_tune(result: TuneResult) -> str:
+    if not result.measured:
+        return f"{result.job}: {result.nothing_to_tune}"
+    lines = [f"tune {result.job} on {result.host} ({result.kind or 'GPU kind not known'}):"]
+    fastest = result.calibration.fastest if result.calibration else None
+    for m in result.measured:
+        what = m.words(result.num_layers)
+        outcome = f"{m.tokens_per_s:>12,.1f} tokens/s per rank" if m.tokens_per_s is not None else f"failed: {m.error}"
+        mark = "  ← fastest" if m == fastest else ""
+        lines.append(f"  {m.model_rank}. {what:60s}{outcome}{mark}")
+    if result.nothing_to_tune:
+        lines.append(f"note: {result.nothing_to_tune}")
+    if result.calibration is not None:
+        lines.append(f"calibration: {result.calibration.key.text()} → {result.calibration_path}")
+        lines.append("later plans and launches for this key use the fastest (`dzctl plan` says so)")
+    else:
+        lines.append("no calibration written: the nodes' GPU kind is not known (preflight found mixed GPUs)")
+    return "\n".join(lines)
+
+
+def source_commit() -> str | None:
+    """The git commit of this dzctl's source tree, where it runs from a checkout (read, not run: no git needed)."""
+    git = Path(__file__).resolve().parents[2] / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:12]
+        ref = head.removeprefix("ref: ")
+        path = git / ref
+        if path.exists():
+            return path.read_text().strip()[:12]
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0][:12]
+    except OSError:
+        return None
+    return None
+
+
 def register(group: click.Group) -> None:
     group.add_command(plan_command)
+    group.add_command(tune_command)

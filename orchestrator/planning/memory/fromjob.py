@@ -13,6 +13,8 @@ from typing import Any
 from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
+from ..shape import ModelShape
+from ..speed.calibration import Calibration, CalibrationInput, key_for
 from ..speed.communication import Links
 from ..speed.offload import HostOptimizer
 from ..speed.steptime import GpuKind
@@ -146,6 +148,7 @@ def plan_for_job(
     bf16_supported: bool = True,
     nvme: NvmeReading | None = None,
     speed: SpeedInputs | None = None,
+    calibration: CalibrationInput | None = None,
 ) -> tuple[MemoryPlan, dict[str, Any] | None]:
     """The memory plan of a job on nodes with these slots, and its DeepSpeed config (``None`` if it does not fit).
 
@@ -155,7 +158,9 @@ def plan_for_job(
     that does not fit is also planned as LoRA (the job's ``train.lora``), so that the
     refusal can name it; the plan itself never switches method. ``speed`` (the GPU kind and the
     links): the step-time model then predicts the step and chooses hpZ and bucket sizes
-    (planning/speed/zerochoice.py); without it the ZeRO settings stay the defaults.
+    (planning/speed/zerochoice.py); without it the ZeRO settings stay the defaults. ``calibration``
+    (``dzctl tune``'s records, read once by the caller, and the nodes' GPU kind): where one holds for this
+    job and its fastest candidate is allowed and fits, the plan takes that candidate (``choice_source``).
     """
     spec = inputs.spec
     if spec.accelerator == "gpu" and gpu_mem_gib is None:
@@ -200,6 +205,8 @@ def plan_for_job(
         )
 
     plan = planned(spec.train.method == "lora")
+    if plan.fits and calibration is not None:
+        plan = _calibrated(plan, inputs, calibration, allowed, precision, planned)
     if batch is not None:
         if plan.fits:
             steps = globalbatch.accumulation_for(batch, plan.choice.micro_batch_size, plan.world_size)
@@ -232,8 +239,9 @@ def plan_for_job(
             host=speed.host,
             fixed_config=fixed,
             lora=lora_shape,
-            micro_auto=allowed.micro_batch_size is None,
-            checkpointing_auto=allowed.gradient_checkpointing is None,
+            # a measured choice stays as measured: the ZeRO settings do not move it
+            micro_auto=allowed.micro_batch_size is None and plan.choice_source == "model",
+            checkpointing_auto=allowed.gradient_checkpointing is None and plan.choice_source == "model",
             user_settings=user_zero_settings(inputs.user_ds_config, spec.zero.overrides, spec.zero.config),
         )
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
@@ -246,3 +254,53 @@ def plan_for_job(
             )
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, ds_config
+
+
+def calibration_for(
+    plan: MemoryPlan, shape: ModelShape, calibration: CalibrationInput, precision: str, method: str
+) -> Calibration | None:
+    """The record of ``dzctl tune`` that holds for this plan (GPU kind, model shape, seq_len, method, precision,
+    ranks per node), if any."""
+    if calibration.kind is None:
+        return None
+    key = key_for(
+        shape,
+        kind=calibration.kind,
+        seq_len=plan.seq_len,
+        method=method,
+        precision=precision,
+        # the tuned node's ranks: one node of the hostfile, so the largest (the planner's worst case)
+        ranks_per_node=max(plan.hardware.slots_per_node),
+    )
+    return calibration.lookup(key)
+
+
+def _calibrated(plan, inputs, calibration, allowed, precision, planned) -> MemoryPlan:
+    """The plan with the calibration's fastest candidate where it applies: the spec allows it and it fits these
+    nodes (the model's plan otherwise, unchanged)."""
+    method = inputs.spec.train.method
+    found = calibration_for(plan, inputs.shape, calibration, precision, method)
+    if found is None:
+        return plan
+    best = found.fastest
+    layers = plan.estimate.num_layers
+    offload = plan.choice.offload
+    if (
+        best.offload != offload
+        or best.micro_batch_size not in allowed.micro_batches()
+        or min(best.checkpointed_layers, layers) not in allowed.layer_counts(layers)
+    ):
+        return plan  # the spec no longer allows it (or the offload level changed): the model decides
+    fixed = replace(
+        allowed,
+        micro_batch_size=best.micro_batch_size,
+        gradient_checkpointing=min(best.checkpointed_layers, layers),
+        offload=offload,
+        micro_candidates=None,
+    )
+    measured = planned(method == "lora", fixed)
+    if not measured.fits:
+        return plan  # these nodes have less memory than the tuned one: the model decides
+    return replace(
+        measured, candidates=plan.candidates, ranked=plan.ranked, choice_source="calibration", calibration=found
+    )

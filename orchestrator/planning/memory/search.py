@@ -111,6 +111,13 @@ class MemoryPlan:
     # The spec key that fixed the global batch (globalbatch.py); None: micro × accumulation × world, as it falls.
     global_batch_key: str | None = None
     fetch_unit: str = "module"  # zero.fetch_unit, resolved (planning/speed/fetchunit.py): what the costs were ranked by
+    # The fitting candidates of the chosen offload level, the model's fastest first (one per micro-batch: the
+    # fewest checkpointed layers that fit): what `dzctl tune` measures (planning/calibration.py).
+    ranked: tuple[Choice, ...] = field(default=())
+    # "model": the choice is the cost model's; "calibration": a measured one (`dzctl tune`), whose record is
+    # ``calibration`` (planning/calibration.py's Calibration).
+    choice_source: str = "model"
+    calibration: Any = None
 
     @property
     def nvme_step_s(self) -> float | None:
@@ -184,6 +191,9 @@ class MemoryPlan:
             "offload": self.choice.offload,  # none | optimizer | all (host RAM) | nvme
             "method": self.estimate.method,
             "fetch_unit": self.fetch_unit,
+            # where micro_batch_size and gradient_checkpointing come from: "model" | "calibration" (dzctl tune)
+            "choice_source": self.choice_source,
+            "calibration": self.calibration.to_summary(self.estimate.num_layers) if self.calibration else None,
             "trainable_params": self.estimate.trainable_params,
             "nvme": self._nvme_dict(),
             "lora_alternative": self._alternative_dict(),
@@ -376,7 +386,9 @@ def plan_memory(
         tried.append((choice, ok, why))
         return ok, est
 
+    ranked: list[tuple[float, Choice]] = []  # the chosen offload level's candidates that fit, with their cost
     for offload in allowed.offloads(accelerator, hardware.nvme is not None):
+        ranked = []
         for micro in allowed.micro_batches():
             # The peak only falls as more layers are checkpointed and only grows with the micro-batch,
             # while the cost grows with the layers: at each micro-batch the fewest layers that fit win.
@@ -393,6 +405,7 @@ def plan_memory(
                 else:
                     lo = mid + 1
             cost = expected_cost_per_token(est.choice, seq_len, layers, method, unit_of(est))
+            ranked.append((cost, est.choice))
             if best is None or cost < best[0]:
                 best = (cost, est)
         if best is not None:
@@ -419,6 +432,8 @@ def plan_memory(
             estimate=est,
             host_per_node=_host_per_node(est, hardware, accelerator),
             fetch_unit=unit_of(est),
+            # sorted() is stable: equal costs keep the search's order (smaller micro-batch first)
+            ranked=tuple(choice for _, choice in sorted(ranked, key=lambda item: item[0])),
             **common,
         )
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.

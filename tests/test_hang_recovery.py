@@ -24,6 +24,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_a_stopped_rank_is_named_with_its_stacks_and_the_job_resumes_on_a_spare(cluster, tmp_path, monkeypatch):
+    # The supervisor (started by launch, inheriting this env) polls status every 1 s, not 5: it acts on a
+    # stall two polls agree on, and sees the resumed job succeed one poll after; each poll is a few ms.
+    monkeypatch.setenv("DZCTL_SUPERVISOR_POLL_S", "1")
     hosts = cluster(3)
     node0, node1, node2 = hosts.hosts
     controller = Controller(hosts, tmp_path, "process")

@@ -41,6 +41,7 @@ CASES = {
     "launch --dry-run": (["launch", JOB, "--hosts", MISSING, "--dry-run", "--json"], 2, MISSING),
     "status": (["status", "no-such-job", "--json"], 2, "no-such-job"),
     "stop": (["stop", "no-such-job", "--json"], 2, "no-such-job"),
+    "tune": (["tune", JOB, "--hosts", MISSING, "--json"], 2, MISSING),
     "usage error": (["status", "--json", "--no-such-option"], 2, "--no-such-option"),
 }
 
@@ -85,6 +86,8 @@ def test_a_dry_run_with_json_prints_its_contract_keys(tmp_path):
     shown = json.loads(result.stdout)
     assert set(shown) >= DRY_RUN_KEYS
     assert shown["ds_config_auto_filled"] == []
+    # where the micro-batch and checkpointing come from: "model", or "calibration" (dzctl tune; tests/test_tune.py)
+    assert shown["memory"]["choice_source"] == "model" and shown["memory"]["calibration"] is None
 
 
 @pytest.mark.integration

@@ -32,7 +32,7 @@ from .options import (
     slurm_options,
     ssh_options,
 )
-from .plan import ConsoleProgress
+from .plan import DEFAULT_TOP, ConsoleProgress, render_tune, run_tune, tune_settings
 from .plan import render as render_memory
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,18 @@ log = logging.getLogger(__name__)
 @click.option("--raw", is_flag=True, help="With --follow: the ranks' own interleaved output instead of the view.")
 @click.option("--replace", is_flag=True, help="Stop a running job of the same name first.")
 @click.option("--no-distribute", is_flag=True, help="Do not copy the image to nodes that lack it; fail instead.")
+@click.option(
+    "--tune",
+    is_flag=True,
+    help="First run the planner's top candidates a few steps each on the first node (as `dzctl tune`), then "
+    "launch with the fastest.",
+)
 @collective_options
 @json_option
 def launch_command(
     job_file, overrides, runtime, hostfile, include, exclude, num_nodes, num_gpus,
     slurm, partition, nodes_wanted, gpus_per_node, time_limit, account,
-    ssh_config, trust_new_hosts, dry_run, gpu_mem_gib, host_mem_gib, follow, raw, replace, no_distribute,
+    ssh_config, trust_new_hosts, dry_run, gpu_mem_gib, host_mem_gib, follow, raw, replace, no_distribute, tune,
     skip_collective, collective_timeout,
     as_json,
 ):  # fmt: skip
@@ -78,6 +84,11 @@ def launch_command(
         raise click.UsageError(f"{given[0]} is for --dry-run: the launch reads every node's memory in preflight")
     if slurm and hostfile is not None:
         raise click.UsageError("--slurm and --hosts: Slurm picks the nodes; give one or the other")
+    if tune and (dry_run or on_slurm):
+        raise click.UsageError(
+            f"--tune runs the candidates on the first node of --hosts: not with {'--dry-run' if dry_run else 'Slurm'}"
+            " (run `dzctl tune JOB --hosts FILE` on one node of the kind first)"
+        )
     if on_slurm:
         refuse_recovery_on_slurm(job)
         request = launcher.slurm_request(
@@ -103,6 +114,10 @@ def launch_command(
         ssh_config=ssh_config,
     )
     progress = ConsoleProgress(as_json)
+    if tune:
+        # The calibration it writes is what the launch's plan reads next ($DZCTL_HOME/calibration.json).
+        tuned = run_tune(job, nodes, tune_settings(DEFAULT_TOP, 6, 2, 900.0, ssh_config), progress, trust_new_hosts)
+        progress.note(render_tune(tuned))
     if recovery.supervised(job.spec):
         check_webhook(job)  # a ${NAME} the env file lacks: exit 2 before any host is touched
     with HostPool([n.host for n in nodes], ssh_config=ssh_config, trust_new_hosts=trust_new_hosts) as pool:

@@ -122,13 +122,8 @@ def tune(
     pool: HostPool,
     options: TuneOptions,
     progress: launcher.Progress | None = None,
-    *,
-    run_one: Callable[..., Measured] | None = None,
 ) -> TuneResult:
-    """Measure the model's top candidates on the first node; write the fastest to the calibration.
-
-    ``run_one`` (tests): how one candidate is launched and measured; the default is a real launch.
-    """
+    """Measure the model's top candidates on the first node; write the fastest to the calibration."""
     progress = progress or launcher.Silent()
     node = nodes[0]
     if options.warmup >= options.steps:
@@ -141,7 +136,6 @@ def tune(
     if why is not None:
         result.nothing_to_tune = why
         return result
-    run_one = run_one or _launch_and_measure
     tune_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
     # The model's plan on this node: its choice, its ranking, and preflight's GPU kind. It is also the first
     # candidate's launch: the model's choice runs as the plan made it.
@@ -156,23 +150,16 @@ def tune(
         progress.note(f"only one candidate fits ({_words(memory.choice, layers)}): nothing to compare")
         result.nothing_to_tune = "only the model's choice fits these nodes: nothing to compare"
         candidates = candidates[:1]  # still measured: the calibration then says what it runs at
-    for rank, choice in enumerate(candidates, start=1):
-        progress.note(f"tune: candidate {rank}/{len(candidates)}: {_words(choice, layers)}")
-        try:
-            if rank == 1:
-                measured = run_one(prepared=prepared, pool=pool, options=options, progress=progress)
-            else:
-                label = f"c{rank}-micro{choice.micro_batch_size}-ckpt{choice.layers_checkpointed(layers)}"
-                sets = [*run_sets(job, node, tune_id, label, options.steps), *candidate_sets(choice, layers)]
-                candidate = _job_with(job, sets)
-                measured = run_one(job=candidate, node=node, pool=pool, options=options, progress=progress, first=False)
-            measured = _as_candidate(measured, choice, layers, rank)
-        except DzError as exc:  # it does not fit, a check failed, it crashed: recorded, the others go on
-            measured = Measured(
-                choice.micro_batch_size, choice.layers_checkpointed(layers), choice.offload, rank, error=exc.message
-            )
-        progress.note(f"tune: candidate {rank}: " + _outcome(measured))
-        result.measured.append(measured)
+
+    def run_candidate(rank: int, choice: Choice) -> Measured:
+        if rank == 1:  # the model's choice: launched as the plan above made it
+            return _launch_and_measure(prepared=prepared, pool=pool, options=options, progress=progress)
+        label = f"c{rank}-micro{choice.micro_batch_size}-ckpt{choice.layers_checkpointed(layers)}"
+        sets = [*run_sets(job, node, tune_id, label, options.steps), *candidate_sets(choice, layers)]
+        candidate = _job_with(job, sets)
+        return _launch_and_measure(job=candidate, node=node, pool=pool, options=options, progress=progress, first=False)
+
+    result.measured = measure_each(candidates, layers, run_candidate, progress)
     if any(m.tokens_per_s is not None for m in result.measured) and result.kind is not None:
         key = key_for(
             prepared.job.inputs.shape,
@@ -194,6 +181,28 @@ def tune(
         result.calibration = record
         result.calibration_path = str(write_record(record))
     return result
+
+
+def measure_each(
+    candidates: list[Choice],
+    layers: int,
+    run_candidate: Callable[[int, Choice], Measured],
+    progress: launcher.Progress,
+) -> list[Measured]:
+    """Run every candidate in turn (rank 1: the model's choice). One that fails is recorded with its reason and
+    the next still runs: a candidate that does not fit or crashes is an answer, not the end of the tune."""
+    measured = []
+    for rank, choice in enumerate(candidates, start=1):
+        progress.note(f"tune: candidate {rank}/{len(candidates)}: {_words(choice, layers)}")
+        try:
+            outcome = _as_candidate(run_candidate(rank, choice), choice, layers, rank)
+        except DzError as exc:  # it does not fit, a check failed, it crashed: recorded, the others go on
+            outcome = Measured(
+                choice.micro_batch_size, choice.layers_checkpointed(layers), choice.offload, rank, error=exc.message
+            )
+        progress.note(f"tune: candidate {rank}: " + _outcome(outcome))
+        measured.append(outcome)
+    return measured
 
 
 def _as_candidate(measured: Measured, choice: Choice, layers: int, rank: int) -> Measured:

@@ -366,7 +366,6 @@ def run_tune(job, nodes, settings: TuneOptions, progress, trust_new_hosts: bool)
     """Tune on the first node; a tune where every candidate failed is a runtime failure (exit 1)."""
     from ..backends import tune as tuning
 
-
     first = nodes[0]
     with HostPool([first.host], ssh_config=settings.ssh_config, trust_new_hosts=trust_new_hosts) as pool:
         result = tuning.tune(job, [first], pool, settings, progress)

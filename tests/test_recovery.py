@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,13 @@ import pytest
 from test_e2e import ROOT, Controller, _progress_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+SUPERVISOR_POLL_S = 1  # the supervisors these tests start poll status this often (the product's default is 5)
+
+
+@pytest.fixture(autouse=True)
+def _fast_supervisor_poll(monkeypatch):
+    """Each supervisor (started by launch, inheriting this env) sees a failure and a success within 1 s, not 5."""
+    monkeypatch.setenv("DZCTL_SUPERVISOR_POLL_S", str(SUPERVISOR_POLL_S))
 
 
 class Webhook:
@@ -102,6 +110,8 @@ def _process_controller(process_pair, tmp_path, supervised, *sets: str) -> Contr
     controller = Controller(process_pair, tmp_path, "process")
     controller.supervisor_pids = []
     controller.sets += list(sets)
+    # No relaunch reads the collective check's figures here (about 8 s a launch); the docker test keeps it.
+    controller.launch = functools.partial(controller.launch, "--skip-collective")
     supervised(controller)
     return controller
 
@@ -156,8 +166,8 @@ def test_stop_during_the_backoff_stops_for_good(process_pair, tmp_path, supervis
     assert stopped.returncode == 0, stopped.stderr
     assert json.loads(stopped.stdout)["supervisor"] == f"stopped (pid {pid})"
     assert not _supervisor_alive(pid)
-    # Past the end of the backoff and a poll: nothing was started.
-    time.sleep(max(0.0, backoff + 5 - (time.monotonic() - in_backoff_at)))
+    # Past the end of the backoff and two polls: nothing was started.
+    time.sleep(max(0.0, backoff + 2 * SUPERVISOR_POLL_S + 1 - (time.monotonic() - in_backoff_at)))
     restarts = _supervision(controller)
     assert restarts["supervisor"] == "stopped" and restarts["count"] == 0, restarts
     assert len(restarts["attempts"]) == 1, restarts

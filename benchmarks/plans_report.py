@@ -1,0 +1,151 @@
+"""Issue 42's tables from the committed raw outputs of ``benchmarks/run_plans_gpu.sh`` (one GPU node).
+
+    python3 benchmarks/plans_report.py benchmarks/results/plans-h100x1-20261206
+
+1. The node's offload rates (``offload-rates.json``): DeepSpeed's CPU Adam against torch's fused AdamW (the
+   proxy preflight measures on every node), in interleaved rounds, and the pinned copies.
+2. Each offload launch that ran (``off-*/summary.json``): its plan, the measured tokens/s and step, and
+   today's step-time model re-predicting the same plan on the same node, without a host rate (the plan
+   before issue 42: the host's part not timed) and with the rates of table 1. Nothing of the offload term
+   is fitted to these launches: its inputs are table 1's rates and DeepSpeed's source (planning/speed/
+   offload.py), so each row is out of sample.
+3. The NCCL flight recorder of issue 45's one-rank check (``hang-flight-recorder/``), if present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def rates_table(folder: Path) -> list[str]:
+    rates = json.loads((folder / "offload-rates.json").read_text(encoding="utf-8"))
+    lines = [
+        f"node: {rates.get('gpu')}, {rates['cores']} cores, {rates['params'] / 1e9:.1f} G fp32 parameters stepped",
+        "| optimizer | rounds (G params/s) | median |",
+        "|---|---|---|",
+    ]
+    for name in ("cpu_adam", "torch_fused_adamw"):
+        rounds = ", ".join(f"{r / 1e9:.2f}" for r in rates[f"{name}_params_per_s_by_round"])
+        lines.append(f"| {name} | {rounds} | {rates[f'{name}_params_per_s'] / 1e9:.2f} |")
+    lines.append(f"torch fused / CPU Adam: {rates['torch_fused_over_cpu_adam']:.3f}")
+    lines.append(
+        f"pinned copies: {rates['h2d_bytes_per_s'] / 1e9:.1f} GB/s up, {rates['d2h_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"down; cpu_adam built and loaded in {rates['cpu_adam_load_s']} s"
+    )
+    return lines
+
+
+def predicted(result: dict, host) -> tuple[object, float]:
+    """Today's model on the launch's own job and plan, on one H100 and 125 GiB of RAM (the node's)."""
+    import argparse as ap
+    import tempfile
+
+    import sft_data
+    import useful_tokens_h200 as launcher
+    import yaml
+
+    from orchestrator.planning.inputs import read_inputs
+    from orchestrator.planning.memory.fromjob import SpeedInputs, plan_for_job
+    from orchestrator.planning.speed.communication import Links
+    from orchestrator.planning.speed.steptime import GPU_KINDS
+    from orchestrator.spec.job import load_job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = work / "sft-lognormal.jsonl"
+        rows = sft_data.alpaca_rows(3000, seed=0, max_len=4096)
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        # The launch's own plan, whatever today's planner would choose for the job.
+        recorded = result["plan"]
+        sets = [*result["overrides"], f"train.micro_batch_size={recorded['micro_batch_size']}"]
+        sets.append(f"train.gradient_checkpointing={recorded['checkpointed_layers'] or 'false'}")
+        if recorded["zero"]["offload_optimizer"]:
+            sets.append("zero.offload=all" if recorded["zero"]["offload_param"] else "zero.offload=optimizer")
+        args = ap.Namespace(
+            model="qwen3-8b", seq=4096, layers=18, set=sets, env=[], port=29541, work=str(work), steps=7, rows=3000
+        )
+        spec = launcher.job_spec(result["config"], args, "gpu", data.name, work)
+        (work / "job.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+        inputs = read_inputs(load_job(work / "job.yaml"))
+        kind = GPU_KINDS["H100"]
+        speed = SpeedInputs(gpu=kind, links=Links.rated(None, kind.intra_bytes_per_s, "one GPU"), host=host)
+        # The launch's plan is fixed above; GPU memory is not what is predicted here (it stays the estimate's).
+        plan, _ = plan_for_job(inputs, [1], gpu_mem_gib=1000.0, host_mem_gib=125.0, speed=speed)
+    return plan, plan.speed.step.optimizer_step_s
+
+
+def launches_table(folder: Path) -> list[str]:
+    from orchestrator.planning.speed.offload import HostOptimizer
+
+    rates = json.loads((folder / "offload-rates.json").read_text(encoding="utf-8"))
+    host = HostOptimizer(
+        rates["torch_fused_adamw_params_per_s"], rates["h2d_bytes_per_s"], "offload-rates.json",
+        rates["d2h_bytes_per_s"],
+    )  # fmt: skip
+    lines = [
+        "| launch | plan | measured tokens/s (step s) | predicted, host not timed | predicted, host timed | "
+        "peak GiB predicted / measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in sorted(folder.glob("off-*/summary.json")):
+        result = json.loads(path.read_text(encoding="utf-8"))["results"][0]
+        if "useful_tokens_per_s_per_gpu" not in result or result.get("launch_exit_code") != 0:
+            lines.append(f"| {path.parent.name} | failed: {result.get('error') or result.get('launch_exit_code')} |")
+            continue
+        measured = result["useful_tokens_per_s_per_gpu"]
+        plan_then = result["plan"]
+        cells = []
+        for rate in (None, host):
+            plan, step_s = predicted(result, rate)
+            tokens = plan.speed.step.tokens_per_s * result["data_packing_efficiency"]  # real tokens, as measured
+            cells.append(f"{tokens:,.0f} ({step_s:.2f} s, {tokens / measured - 1:+.1%})")
+        peak = result["peak_allocated_gib"][0]
+        today_peak = plan.estimate.gpu_peak / 2**30  # dzctl plan's per_gpu_gib
+        lines.append(
+            f"| {path.parent.name} | micro {plan_then['micro_batch_size']} × {plan.gradient_accumulation_steps}, "
+            f"{plan_then['checkpointed_layers']}/18 checkpointed, offload optimizer | "
+            f"{measured:,.0f} ({result['median_step_s']:.2f} s) | "
+            f"{cells[0]} | {cells[1]} | {result['predicted_peak_gib']:.2f} then, {today_peak:.2f} today / {peak:.2f} "
+            f"({today_peak / peak - 1:+.1%} today) |"
+        )
+    return lines
+
+
+def flight_recorder(folder: Path) -> list[str]:
+    traces = sorted(folder.glob("hang-flight-recorder/dzctl-ranks/*/nccl-trace-rank-*"))
+    if not traces:
+        return []
+    dump = pickle.loads(traces[0].read_bytes())
+    entries = dump.get("entries", [])
+    last = [(e.get("profiling_name"), e.get("collective_seq_id")) for e in entries[-3:]]
+    probe = json.loads((folder / "hang-flight-recorder/probe.json").read_text(encoding="utf-8"))
+    return [
+        f"flight recorder ({traces[0].name}): {len(entries)} entries, last {last}; "
+        f"rank state {probe['state']}, stack via {probe['stack_via']}"
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    folder = parser.parse_args().folder
+    for title, lines in (
+        ("offload rates", rates_table(folder)),
+        ("offload launches", launches_table(folder)),
+        ("NCCL flight recorder", flight_recorder(folder)),
+    ):
+        print(f"## {title}")
+        print("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

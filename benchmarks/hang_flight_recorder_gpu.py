@@ -74,7 +74,9 @@ def main() -> int:
         child.kill()
         child.wait(timeout=30)
         if (work / "dzctl-ranks").exists():
-            shutil.copytree(work / "dzctl-ranks", out / "dzctl-ranks", dirs_exist_ok=True)
+            # The rank's NCCL debug pipe is a FIFO, which copytree refuses (it did on the H100).
+            skip_pipes = shutil.ignore_patterns("*.pipe")
+            shutil.copytree(work / "dzctl-ranks", out / "dzctl-ranks", dirs_exist_ok=True, ignore=skip_pipes)
 
 
 if __name__ == "__main__":

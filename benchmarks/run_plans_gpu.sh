@@ -18,6 +18,7 @@
 #   full12-R            full FT, 12 layers, SFT rows, auto plan;  full12-mMICRO-R as for LoRA
 #   grid-lora           recompute_h200.py --lora, 36 layers, by layer: micro 2,4,8,16 x 0/half/all checkpointed
 #   grid-full12         recompute_h200.py, 12 layers: micro 2,4,8,16 x 0/half/all checkpointed
+#   hang-fr             issue 45: benchmarks/hang_flight_recorder_gpu.py (one NCCL rank, its flight recorder dumped)
 # TASKS names what runs, in order. A task is skipped when less than its own limit is left of CALL_S. Results are
 # tarred into $OUT after each task. Run from the root of a checkout with the wheels of run_recompute_h200.sh in
 # $WHEELS.
@@ -64,13 +65,17 @@ G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
 OVR="--set=zero.overrides="
 for task in $TASKS; do
     case $task in
+        hang-fr)
+            t0=$(date +%s)
+            (cd "$HERE" && OUT="$RES" timeout 150 python3 benchmarks/hang_flight_recorder_gpu.py) > "$RES/hang-fr.log" 2>&1
+            echo "hang-fr: exit $?, $(($(date +%s) - t0)) s"; save ;;
         rates)
             t0=$(date +%s)
-            (cd "$HERE" && timeout 300 python3 benchmarks/offload_rates.py --params 2e9 --out "$RES") \
+            (cd "$HERE" && timeout 300 python3 benchmarks/offload_rates.py --params 2e9 --rounds 2 --out "$RES") \
                 > "$RES/rates.log" 2>&1
             echo "rates: exit $?, $(($(date +%s) - t0)) s"; save ;;
-        off-auto-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET ;;
-        off-ratio-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
+        off-auto-*) launch "$task" 280 auto --layers 18 $G32 $OFF_SET ;;
+        off-ratio-*) launch "$task" 290 auto --layers 18 $G32 $OFF_SET \
             "${OVR}{zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: $RATIO}}}" ;;
         off-zenflow-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
             "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;

@@ -11,7 +11,12 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from orchestrator.cli import main
-from orchestrator.planning.speed.offload import HostOptimizer, host_optimizer_from_nodes, offloaded_optimizer_seconds
+from orchestrator.planning.speed.offload import (
+    PCIE_EFFICIENCY,
+    HostOptimizer,
+    host_optimizer_from_nodes,
+    offloaded_optimizer_seconds,
+)
 from orchestrator.preflight.checks import HOST_ADAM_PROBE, PYTHON_PROBE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,18 +41,22 @@ def test_the_offloaded_step_counts_the_hosts_adamw_over_every_rank_of_the_node(t
 
     planned = _plan_json(tmp_path, "--host-adam-rate", "1.0")
     speed = planned["step_time"]
-    # 8.19 B trained parameters, all on this one node's host, stepped at 1e9 a second.
-    trained = planned["trainable_params"]
-    assert abs(speed["optimizer_s"] - trained / 1e9) < 0.01
+    # 8.19 B trained parameters, all on this one node's host, stepped at 1e9 a second; each GPU's bf16
+    # gradient partition down and up once per micro-step, its bf16 weights up once, over the A100's
+    # PCIe 4.0 x16 at the share measured on the H100 node.
+    trained, accumulation = planned["trainable_params"], planned["gradient_accumulation_steps"]
+    per_gpu, link = trained / 4, 32e9 * PCIE_EFFICIENCY
+    copies = per_gpu * 2 * accumulation / link + per_gpu * (2 * accumulation + 2) / link
+    assert abs(speed["optimizer_s"] - (trained / 1e9 + copies)) < 0.01
     assert speed["offload_modelled"] is True
     assert speed["optimizer_step_s"] > without["step_time"]["optimizer_step_s"] + 8.0
     assert any("--host-adam-rate 1" in note for note in speed["notes"])
-    # A node twice as slow doubles the host's part.
+    # A node twice as slow doubles the host's AdamW part; the copies stay.
     slower = _plan_json(tmp_path, "--host-adam-rate", "0.5")["step_time"]
-    assert abs(slower["optimizer_s"] - 2 * speed["optimizer_s"]) < 0.02
+    assert abs(slower["optimizer_s"] - speed["optimizer_s"] - trained / 1e9) < 0.02
 
 
-def test_the_slowest_node_sets_the_rate_and_the_copy_up_adds_to_it():
+def test_the_slowest_node_sets_the_rate_and_the_copies_add_to_it():
     host = host_optimizer_from_nodes(
         {
             "node0": {"host_adam_params_per_s": 2.0e9, "h2d_bytes_per_s": 25e9},
@@ -57,9 +66,15 @@ def test_the_slowest_node_sets_the_rate_and_the_copy_up_adds_to_it():
     )
     assert host is not None and host.adam_params_per_s == 0.5e9 and host.h2d_bytes_per_s == 25e9
     assert "node1" in host.source
-    # 1e9 parameters per GPU, 4 GPUs: 4e9 on the host at 0.5e9/s, and each GPU's 2 GB back up at 25 GB/s.
-    assert abs(offloaded_optimizer_seconds(host, 1e9, 4, 2) - (8.0 + 0.08)) < 1e-9
-    assert offloaded_optimizer_seconds(host, 1e9, 4, 2, ratio=0.5) == offloaded_optimizer_seconds(host, 0.5e9, 4, 2)
+    # 1e9 parameters per GPU, 4 GPUs: 4e9 on the host at 0.5e9/s; per GPU at accumulation 3, 3 × 2 GB of
+    # gradients down and up, and 2 GB of weights up, at 25 GB/s (the slowest copy measured).
+    seconds = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
+    assert abs(seconds - (8.0 + 6e9 / 25e9 + 8e9 / 25e9)) < 1e-9
+    half = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0, ratio=0.5)
+    assert half == offloaded_optimizer_seconds(host, 0.5e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
+    # Copies not measured on any node: the GPU kind's link.
+    unmeasured = HostOptimizer(0.5e9, None, "x")
+    assert offloaded_optimizer_seconds(unmeasured, 1e9, 4, 2, link_bytes_per_s=10e9) == 8.0 + 2e9 / 10e9 + 4e9 / 10e9
     assert host_optimizer_from_nodes({"node0": {}}) is None
     assert HostOptimizer(1e9, None, "x").describe() == "host AdamW 1.00 G params/s (x)"
 
@@ -88,3 +103,21 @@ def test_a_gpu_kind_never_measured_gets_the_datasheet_model_and_the_plan_says_so
     assert abs(per_token["A100-40GB"] / per_token["B200"] - 2250 / 312) < 1e-3
     h100 = _plan_json(tmp_path, "--gpu-kind", "H100")["step_time"]
     assert "datasheet model" not in h100["mfu_source"]
+
+
+def test_the_step_time_choice_keeps_the_packed_rows_estimate(tmp_path):
+    """choose_zero re-estimates each setting it tries: it dropped ``packed`` (the varlen attention's extra), so
+    a launch, which always has the GPU kind, planned a packed job's peak GiBs under what ``dzctl plan`` said."""
+    # The H100 offload launch's plan: micro 8, 7 of 18 layers recomputed, packed rows at 4096.
+    sets = ["train.micro_batch_size=8", "train.gradient_checkpointing=7", "zero.offload=optimizer"]
+    sets += ["train.packing=true", "model.config={num_hidden_layers: 18}"]
+    args = [f"--set={item}" for item in sets] + ["--gpu-mem-gib", "100", "--host-mem-gib", "125"]
+    hosts = tmp_path / "one.txt"
+    hosts.write_text("gpu-node-1 slots=1\n", encoding="utf-8")
+    peaks = []
+    for extra in ([], ["--gpu-kind", "H100"]):
+        argv = ["plan", str(ROOT / "jobs/qwen3-8b.yaml"), "--hosts", str(hosts), "--json", *args, *extra]
+        result = CliRunner().invoke(main, argv, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        peaks.append(json.loads(result.output)["per_gpu_gib"])
+    assert peaks[0] == peaks[1]

@@ -52,7 +52,7 @@ DISK_SCRIPT = (
 )
 LIMITS_SCRIPT = 'echo "DZ_MEMLOCK $(ulimit -l)"; printf "DZ_SHM "; df -P -B1 /dev/shm | tail -n 1'
 ENV_MARK = "DZCTL_ENV "
-# Part of PYTHON_PROBE, where the plan may offload the optimizer: this host's AdamW rate and pinned copy up
+# Part of PYTHON_PROBE, where the plan may offload the optimizer: this host's AdamW rate and pinned copies
 # (planning/speed/offload.py). Reads and writes the probe's ``out``.
 HOST_ADAM_PROBE = r"""
 if os.environ.get("DZ_HOST_ADAM") == "1":  # the plan may offload the optimizer: this host's AdamW and copy up
@@ -76,10 +76,11 @@ if os.environ.get("DZ_HOST_ADAM") == "1":  # the plan may offload the optimizer:
             dev = torch.empty_like(host, device="cuda")
             dev.copy_(host)
             torch.cuda.synchronize()
-            began = time.perf_counter()
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-            out["h2d_bytes_per_s"] = host.numel() * 2 / (time.perf_counter() - began)
+            for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+                began = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                out[f"{name}_bytes_per_s"] = host.numel() * 2 / (time.perf_counter() - began)
     except Exception as exc:
         out["host_adam_error"] = f"{type(exc).__name__}: {exc}"[:300]
 """

@@ -75,7 +75,7 @@ class PreflightReport:
     # Per host, nvidia-smi's name of the GPUs the job uses (the step-time model's GPU kind).
     gpu_name: dict[str, str] = field(default_factory=dict)
     # Per host, where the plan may offload the optimizer: its AdamW rate (host_adam_params_per_s) and pinned
-    # copy up (h2d_bytes_per_s), which time the offloaded step (planning/speed/offload.py).
+    # copies (h2d_bytes_per_s, d2h_bytes_per_s), which time the offloaded step (planning/speed/offload.py).
     host_optimizer: dict[str, dict[str, float]] = field(default_factory=dict)
     infiniband: dict[str, list[str]] = field(default_factory=dict)  # IB verbs devices per node
     container_probe_s: dict[str, float] = field(default_factory=dict)  # the in-container probe, per node

@@ -201,7 +201,11 @@ def run_preflight(
         },
         gpu_name={h: f.gpu_name for h, f in facts.items() if f.gpu_name},
         host_optimizer={
-            h: {k: round(f.env[k]) for k in ("host_adam_params_per_s", "h2d_bytes_per_s") if f.env.get(k)}
+            h: {
+                k: round(f.env[k])
+                for k in ("host_adam_params_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s")
+                if f.env.get(k)
+            }
             for h, f in facts.items()
             if f.env.get("host_adam_params_per_s")
         },

@@ -110,6 +110,8 @@ def data_node_terms(shipped_bytes: int | None) -> dict[str, int]:
     return terms
 
 
+# DeepSpeed's ZeRO-3 takes a gradient's norm in fp64 chunks of this many elements (_constant_buffered_norm2).
+NORM_CHUNK = 250_000_000
 # DeepSpeed's default ZeRO-3 sub_group_size (elements): the optimizer steps one
 # sub-group at a time, and offloaded fp32 gradients are pinned per sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
@@ -386,6 +388,16 @@ def estimate(
     else:
         gpu["gathered largest layer + its grad"] = (p + g) * shape.largest_layer_params
         gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
+    if choice.offload == "optimizer":
+        # DeepSpeed 0.19 (stage3.py, partition_grads) brings each offloaded gradient partition back to the GPU
+        # to add to it, and at the boundary takes its norm in fp64 chunks of 250 M elements: for the largest
+        # weight both at once. Measured on one H100 (benchmarks/results/plans-h100x1-20261206): the offload
+        # plan's peak was 1.83 GiB over the estimate without this term (the embedding's: 1.16 + 1.86 GiB).
+        # With the weights offloaded too (all, nvme) the seed's measured peak (test_memory) shows no such
+        # extra: not counted there.
+        numels = [lora.r * max(pair) for pair in lora.adapted(shape).values()] if lora else shape.weight_numels()
+        largest = math.ceil(max(numels) / world_size)
+        gpu["offloaded grad back + its fp64 norm"] = g * largest + 8 * min(largest, NORM_CHUNK)
 
     tokens = choice.micro_batch_size * seq_len
     act = p

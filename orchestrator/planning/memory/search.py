@@ -105,6 +105,7 @@ class MemoryPlan:
     nvme_alternative: MemoryPlan | None = None
     lora: LoraShape | None = None  # train.method: lora
     largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
+    packed: bool = False  # the rows are packed: the varlen attention's extra counts in every re-estimate
     hpz_partition_size: int = 1  # ZeRO++ hpZ chosen by planning/speed/zerochoice.py (1: off)
     # The predicted step time and the ZeRO choices' reasons (planning/speed/zerochoice.py's SpeedPlan), if made.
     speed: Any = None
@@ -424,6 +425,7 @@ def plan_memory(
         lora=lora,
         nvme_path=nvme_path,
         largest_layer_params=shape.largest_layer_params,
+        packed=packed,
     )
     if best is not None:
         est = best[1]

@@ -1,19 +1,26 @@
-"""The optimizer step of a plan that offloads it to the host: AdamW on each node's CPU, and the copy back (pure).
+"""The optimizer step of a plan that offloads it to the host: AdamW on each node's CPU, and the copies (pure).
 
-With ``offload_optimizer`` ZeRO-3 keeps the fp32 master weights and Adam's moments in host RAM. During
-the backward each rank's reduced gradient partition goes down to pinned host memory (beside the compute
-with ``overlap_comm``, so not counted here). After it, DeepSpeed's CPU Adam steps each rank's partition on
-the host, and the updated 16-bit weights go back up to the GPU before the next forward:
+With ``offload_optimizer`` ZeRO-3 keeps the fp32 master weights, Adam's moments and the gradient
+partitions in pinned host memory (DeepSpeed 0.19, ``stage3.py``: ``grad_partitions_flat_buffer`` on the
+CPU, in the gradient accumulation dtype, which is the model's: dzctl never sets ``grad_accum_dtype``).
+Every micro-step's reduced gradient partition goes down to it and comes back up (the first micro-step to
+keep working on the GPU, the later ones to be added to there: "adding directly to cpu is very slow").
+At the boundary DeepSpeed's CPU Adam steps each rank's partition on the host, and the updated 16-bit
+weights go back up:
 
     host step   = (trained parameters of all the node's ranks) / (the node's AdamW rate)
-    copy up     = (trained parameters per GPU) · (bytes per 16-bit weight) / (pinned host-to-device rate)
-    optimizer   = host step + copy up
+    copies down = P · g · A         / (pinned device-to-host rate)
+    copies up   = P · (g · A + p)   / (pinned host-to-device rate)
+    optimizer   = host step + copies down + copies up
+                  (P: trained parameters per GPU, A: accumulation, g = p: bytes of a 16-bit value)
 
-The node's ranks share its cores and its memory bandwidth, and AdamW over fp32 states is bound by that
-bandwidth, so the rate is the node's, measured with all its cores (preflight's ``python-env`` probe, or
-``dzctl plan --host-adam-rate``), and the partitions of the node's ranks add up. A node with fewer or
-slower cores, or slower memory, plans a slower step. Without a measured rate the host step is not
-timed, and the plan says so.
+The copies wait on the reduce that makes each partition, so they are counted whole, not hidden. The node's
+ranks share its cores and its memory bandwidth, and AdamW over fp32 states is bound by that bandwidth, so
+the AdamW rate is the node's, measured with all its cores (preflight's ``python-env`` probe, or
+``dzctl plan --host-adam-rate``), and the partitions of the node's ranks add up: a node with fewer or
+slower cores, or slower memory, plans a slower step. The copy rates are the probe's, or else the GPU
+kind's PCIe link at the share measured on one H100 node (``PCIE_EFFICIENCY``). Without an AdamW rate the
+host's part is not timed, and the plan says so.
 """
 
 from __future__ import annotations
@@ -21,17 +28,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# The share of a PCIe link's rated rate a pinned copy reached on one H100 node (benchmarks/results/
+# plans-h100x1-20261206/offload-rates.json: 55.0 GB/s up, 51.4 down, of PCIe 5.0 x16's 64 GB/s each way):
+# the lower, for a node whose copies were not measured.
+PCIE_EFFICIENCY = 0.80
+
 
 @dataclass(frozen=True)
 class HostOptimizer:
-    """What an offloaded optimizer step runs at on the slowest node: AdamW elements/s and the copy up."""
+    """What an offloaded optimizer step runs at on the slowest node: AdamW elements/s and the pinned copies."""
 
     adam_params_per_s: float  # fp32 elements per second, the node's whole host
-    h2d_bytes_per_s: float | None  # pinned host-to-device copy; None: not measured (the copy is left out)
+    h2d_bytes_per_s: float | None  # pinned host-to-device copy; None: not measured (the GPU kind's link)
     source: str
+    d2h_bytes_per_s: float | None = None  # pinned device-to-host copy; None: as h2d, else the GPU kind's link
 
     def describe(self) -> str:
-        copy = f", copy up {self.h2d_bytes_per_s / 1e9:.1f} GB/s" if self.h2d_bytes_per_s else ""
+        copy = ""
+        if self.h2d_bytes_per_s:
+            down = self.d2h_bytes_per_s or self.h2d_bytes_per_s
+            copy = f", copies {self.h2d_bytes_per_s / 1e9:.1f} GB/s up and {down / 1e9:.1f} down"
         return f"host AdamW {self.adam_params_per_s / 1e9:.2f} G params/s{copy} ({self.source})"
 
 
@@ -41,19 +57,33 @@ def host_optimizer_from_nodes(readings: Mapping[str, Mapping[str, float]]) -> Ho
     if not rated:
         return None
     slowest = min(rated, key=lambda host: rated[host]["host_adam_params_per_s"])
-    copies = [r["h2d_bytes_per_s"] for r in rated.values() if r.get("h2d_bytes_per_s")]
+    up = [r["h2d_bytes_per_s"] for r in rated.values() if r.get("h2d_bytes_per_s")]
+    down = [r["d2h_bytes_per_s"] for r in rated.values() if r.get("d2h_bytes_per_s")]
     return HostOptimizer(
         adam_params_per_s=rated[slowest]["host_adam_params_per_s"],
-        h2d_bytes_per_s=min(copies) if copies else None,
+        h2d_bytes_per_s=min(up) if up else None,
+        d2h_bytes_per_s=min(down) if down else None,
         source=f"measured by preflight, slowest of {len(rated)} node(s): {slowest}",
     )
 
 
 def offloaded_optimizer_seconds(
-    host: HostOptimizer, params_per_gpu: float, gpus_per_node: int, param_bytes: int, ratio: float = 1.0
+    host: HostOptimizer,
+    params_per_gpu: float,
+    gpus_per_node: int,
+    param_bytes: int,
+    *,
+    accumulation: int = 1,
+    link_bytes_per_s: float,
+    ratio: float = 1.0,
 ) -> float:
-    """The host's share of one optimizer step: ``ratio`` of each GPU's partition stepped on the host, then sent up."""
+    """What offloading adds to one optimizer step of ``accumulation`` micro-steps: the gradients' copies down
+    and up, the host's AdamW over ``ratio`` of each GPU's partition, the 16-bit weights back up.
+    ``link_bytes_per_s``: each way, where the node's copies were not measured."""
     on_host = ratio * params_per_gpu
-    step = on_host * gpus_per_node / host.adam_params_per_s
-    copy = on_host * param_bytes / host.h2d_bytes_per_s if host.h2d_bytes_per_s else 0.0
-    return step + copy
+    up_rate = host.h2d_bytes_per_s or link_bytes_per_s
+    down_rate = host.d2h_bytes_per_s or host.h2d_bytes_per_s or link_bytes_per_s
+    grad_bytes = param_bytes  # DeepSpeed accumulates gradients in the model's dtype unless told otherwise
+    down = on_host * grad_bytes * accumulation / down_rate
+    up = on_host * (grad_bytes * accumulation + param_bytes) / up_rate
+    return on_host * gpus_per_node / host.adam_params_per_s + down + up

@@ -53,6 +53,7 @@ class GpuKind:
     intra_bytes_per_s: float  # bus bandwidth of a collective among the GPUs of one node
     source: str
     hbm_bytes_per_s: float = 0.0  # the datasheet's memory bandwidth (0: the optimizer step is not timed)
+    pcie_bytes_per_s: float = 32e9  # the host link's rated rate each way: PCIe 4.0 x16 32 GB/s, 5.0 x16 64
 
 
 # Peaks: NVIDIA's datasheets, dense (the "with sparsity" figures halved): H100 SXM 989.4 TFLOP/s
@@ -65,12 +66,16 @@ class GpuKind:
 # each way, as its collective bus bandwidth at best); B200 2.25 PFLOP/s dense bf16, 8 TB/s HBM3e, NVLink-5
 # at 900 GB/s each way, taken at the share NVLink-4 gave on 2×H200 (302 of 450 GB/s): 604 GB/s.
 GPU_KINDS: dict[str, GpuKind] = {
-    "H100": GpuKind("H100", 989e12, 302e9, "NVIDIA H100 SXM datasheet; NVLink-4 as measured on 2×H200", 3.35e12),
-    "H200": GpuKind("H200", 989e12, 302e9, "NVIDIA H200 datasheet; NCCL bus bandwidth measured on 2×H200", 4.8e12),
+    "H100": GpuKind("H100", 989e12, 302e9, "NVIDIA H100 SXM datasheet; NVLink-4 as measured on 2×H200", 3.35e12, 64e9),
+    "H200": GpuKind(
+        "H200", 989e12, 302e9, "NVIDIA H200 datasheet; NCCL bus bandwidth measured on 2×H200", 4.8e12, 64e9
+    ),
     "A100": GpuKind("A100", 312e12, 235e9, "NVIDIA A100 datasheet; NCCL's sm80 bus-bandwidth cap", 2.039e12),
     "A100-40GB": GpuKind("A100-40GB", 312e12, 235e9, "NVIDIA A100 40GB datasheet; NCCL's sm80 cap", 1.555e12),
     "L40S": GpuKind("L40S", 362e12, 32e9, "NVIDIA L40S datasheet; PCIe 4.0 x16, no NVLink", 0.864e12),
-    "B200": GpuKind("B200", 2250e12, 604e9, "NVIDIA B200 datasheet; NVLink-5 at NVLink-4's measured share", 8.0e12),
+    "B200": GpuKind(
+        "B200", 2250e12, 604e9, "NVIDIA B200 datasheet; NVLink-5 at NVLink-4's measured share", 8.0e12, 64e9
+    ),
 }
 
 

@@ -22,7 +22,7 @@ from ..memory.estimate import Buckets, Choice, LoraShape, estimate
 from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from ..shape import ModelShape
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
-from .offload import HostOptimizer, offloaded_optimizer_seconds
+from .offload import PCIE_EFFICIENCY, HostOptimizer, offloaded_optimizer_seconds
 from .steptime import (
     DEFAULT_OVERLAP,
     ComputePlan,
@@ -286,7 +286,14 @@ def _optimizer_s(
         return optimizer_seconds(gpu, per_gpu)
     if host is None or plan.choice.offload_param:
         return 0.0
-    return offloaded_optimizer_seconds(host, per_gpu, gpus_per_node, param_bytes)
+    return offloaded_optimizer_seconds(
+        host,
+        per_gpu,
+        gpus_per_node,
+        param_bytes,
+        accumulation=plan.gradient_accumulation_steps,
+        link_bytes_per_s=gpu.pcie_bytes_per_s * PCIE_EFFICIENCY,
+    )
 
 
 def _compute_plan(plan: MemoryPlan) -> ComputePlan:
@@ -357,6 +364,7 @@ def _with_settings(
             fused_loss=plan.fused_loss,
             lora=lora if plan.estimate.method == "lora" else None,
             hpz_partition_size=hpz,
+            packed=plan.packed,
         )
         if fits_hardware(est, plan.hardware, plan.accelerator)[0]:
             break

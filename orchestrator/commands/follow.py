@@ -13,8 +13,9 @@ import time
 
 import click
 
+from ..observe.evidence import stall_of
 from ..observe.hosts import gather_status, node_states, stop_nodes, stream_logs
-from ..observe.lines import event_line, final_lines, message_line
+from ..observe.lines import event_line, final_lines, message_line, stall_line
 from ..observe.status import JobStatus, derive_state, node_status, state_failed
 from ..observe.store import JobRecord, JobStore
 from ..observe.watchstate import JobWatch, NodeView
@@ -86,7 +87,7 @@ def follow_job(
         if mode == "live":
             live = _start_live(watch, lock, quiet)
     try:
-        _poll_until_ended(record, pool, watch, lock, stop_gang, threads)
+        _poll_until_ended(record, pool, watch, lock, stop_gang, threads, _stall_teller(mode, out))
         for thread in threads:
             thread.join(timeout=10)  # the log streams end with their ranks
     except KeyboardInterrupt:
@@ -108,6 +109,21 @@ def follow_job(
         out.write("".join(line + "\n" for line in final_lines(watch, ended, with_failure=report_failure)))
         out.flush()
     return status
+
+
+def _stall_teller(mode: str, out):
+    """Where a new stall's one line goes: the plain lines; beside the raw stream, as dzctl's own note
+    (the gang stop's too); nowhere in the live view, which draws it from the watch."""
+    if mode == "live":
+        return None
+    if mode == "raw":
+        return lambda text: click.echo(f"dzctl: {text}", err=True)
+
+    def tell(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    return tell
 
 
 def _start_live(watch: JobWatch, lock: threading.Lock, quiet: bool):
@@ -136,14 +152,27 @@ def _poll_until_ended(
     lock: threading.Lock,
     stop_gang: bool,
     streams: list[threading.Thread],
+    say_stall=None,
 ):
+    """Poll the node states until none runs; a running job's stall is checked at each poll too.
+
+    ``say_stall(line)``: where a new stall is said once, in one line (plain lines, raw); the live
+    view draws it from the watch.
+    """
     gang_stopped = False
     while True:
         alive = _alive(streams)  # before the poll: a stream that ends during it wakes the wait below at once
         states = node_states(record, pool)
         nodes = [node_status(n["host"], n["node_rank"], states[n["node_rank"]]) for n in record.plan["nodes"]]
+        job_state = derive_state(record.state, nodes)
+        # Rank 0's pulse, one small read; once stalled, every rank's evidence is taken once and kept
+        # (evidence.py), so status, the supervisor and this view name the same culprit.
+        stall = stall_of(record, pool) if job_state == "running" else None
         with lock:
-            watch.set_nodes({r: (s.state, s.exit_code) for r, s in states.items()}, derive_state(record.state, nodes))
+            watch.set_nodes({r: (s.state, s.exit_code) for r, s in states.items()}, job_state)
+            new_stall = watch.set_stall(stall)
+        if new_stall and say_stall is not None:
+            say_stall(stall_line(new_stall, record.job_id))
         running = [r for r, s in states.items() if s.state in ("running", "created")]
         failed = [r for r, s in states.items() if state_failed(s.state, s.exit_code)]
         if stop_gang and failed and running and not gang_stopped:

@@ -50,6 +50,21 @@ def speed_warning(speed: dict | None) -> str | None:
     return f"warning: {speed['warning']}" if speed and speed.get("warning") else None
 
 
+CULPRIT_NOT_NAMED = "culprit: not named (every rank waits in the same collective)"
+
+
+def stall_line(stall: dict | None, job_id: str) -> str | None:
+    """A stalled job in one line: the bound that applied, who the ranks wait for, where the stacks are.
+
+    The same words as ``status`` (its stall and culprit lines) and the webhook's ``culprit``; None
+    while the job is not stalled.
+    """
+    if not stall or not stall.get("stalled"):
+        return None
+    culprit = (stall.get("culprit") or {}).get("line") or CULPRIT_NOT_NAMED
+    return f"{stall['line']}; {culprit}; stacks: dzctl logs {job_id} --stacks"
+
+
 def event_line(event: dict, watch: JobWatch) -> str | None:
     kind = event.get("event")
     per = "GPU" if watch.accelerator == "gpu" else "rank"

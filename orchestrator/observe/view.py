@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from .lines import global_batch_text, predicted_text, rate_text, speed_warning
+from .lines import global_batch_text, predicted_text, rate_text, speed_warning, stall_line
 from .rankfailure import failure_lines
 from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 
@@ -20,7 +20,13 @@ from .watchstate import JobWatch, ema, format_duration, ranks_text, sparkline
 EMA_FACTOR = 0.9
 MAX_MESSAGES = 8
 ENDED_STATES = frozenset({"succeeded", "failed", "stopped"})
-STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "stopped": "yellow"}
+STATE_STYLE = {
+    "running": "green",
+    "stalled": "bold yellow",
+    "succeeded": "bold green",
+    "failed": "bold red",
+    "stopped": "yellow",
+}
 
 
 def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
@@ -50,6 +56,9 @@ def render(watch: JobWatch, now: float, width: int = 100) -> RenderableType:
     if failure:
         # At the top, once: the first failed rank's own words and fix (its traceback is in `dzctl logs`).
         parts += [Text(line, style="bold red") for line in failure_lines(failure)]
+    stalled = stall_line(watch.stall, watch.job_id) if watch.state not in ENDED_STATES else None
+    if stalled:  # every rank runs, none ends a step: the bound that applied and the culprit, in one line
+        parts.append(Text(stalled, style="bold yellow"))
     parts += [bar, _metrics(watch, last_step, width)]
     parts.append(_nodes(watch, watch.ended_at or now))
     checkpoints = watch.checkpoints

@@ -114,11 +114,14 @@ class JobWatch:
     first_failure: dict | None = None
     ended_at: float | None = None
     errors: list[dict] = field(default_factory=list)  # the ranks' error events, as rankfailure.error_details
+    # The latest poll's stall verdict (evidence.stall_of: the bound that applied, the culprit once stalled).
+    stall: dict | None = None
     # Lines that say what an error event already says (the rank's "error:"/"fix:" lines, the last
     # line of its traceback): shown once, through the event.
     _said: set[str] = field(default_factory=set)
     _tracebacks: TracebackFolder = field(default_factory=TracebackFolder)
     _arrivals: int = 0  # messages seen so far, for Message.order
+    _stalls_said: set[tuple] = field(default_factory=set)  # (phase, step) of each stall already reported
 
     @property
     def steps(self) -> list[dict]:
@@ -246,6 +249,23 @@ class JobWatch:
             if node.node_rank in states:
                 node.state, node.exit_code = states[node.node_rank]
         self.state = job_state
+
+    def set_stall(self, stall: dict | None) -> dict | None:
+        """The latest poll's stall verdict, after ``set_nodes``; returns it when it is a stall not reported yet.
+
+        A running job that is stalled reads ``stalled``, as ``status`` says it. One stall (its phase
+        and step) is new once: a plain-lines reader says it once, not at every poll.
+        """
+        self.stall = stall
+        if not stall or not stall.get("stalled"):
+            return None
+        if self.state == "running":
+            self.state = "stalled"
+        key = (stall.get("phase"), stall.get("step"))
+        if key in self._stalls_said:
+            return None
+        self._stalls_said.add(key)
+        return stall
 
 
 def ema(values: list[float], factor: float) -> list[float]:

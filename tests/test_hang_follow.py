@@ -26,7 +26,7 @@ Current thread 0x00007f0000000001 (most recent call first):
   File "/venv/lib/python3.11/site-packages/deepspeed/runtime/zero/stage3.py", line 1402 in step
   File "/repo/orchestrator/train/entry.py", line 40 in main
 """
-STOPPED = WAITING.replace("distributed_c10d.py\", line 2806 in all_reduce", "stage3.py\", line 1390 in step")
+STOPPED = WAITING.replace('distributed_c10d.py", line 2806 in all_reduce', 'stage3.py", line 1390 in step')
 
 
 def _stalled_watch() -> tuple[JobWatch, dict]:

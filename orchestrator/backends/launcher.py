@@ -157,8 +157,20 @@ def dry_run(
     inputs = read_inputs(job)
     calibration = calibration_input(kind_of(job.spec.accelerator, gpu_name))
     memory, ds_config = memory_choice(inputs, nodes, gpu_mem_gib, host_mem_gib, calibration=calibration)
-    plan = make_plan(job.spec, nodes, job_id or new_job_id(job.spec.name), secret_names=inputs.secret_names)
+    plan = make_plan(
+        job.spec,
+        nodes,
+        job_id or new_job_id(job.spec.name),
+        secret_names=inputs.secret_names,
+        predicted_step_s=predicted_optimizer_step_s(memory),
+    )
     return DryRun(plan, memory, ds_config, inputs)
+
+
+def predicted_optimizer_step_s(memory: MemoryPlan) -> float | None:
+    """The step-time model's optimizer step for the chosen settings; None when it predicted none."""
+    step = getattr(memory.speed, "step", None)
+    return step.optimizer_step_s if step is not None else None
 
 
 def memory_choice(
@@ -302,6 +314,7 @@ def prepare(
         master_addr=report.master_addr,
         interfaces=report.interfaces,
         infiniband_hosts=frozenset(h for h, devices in report.infiniband.items() if devices),
+        predicted_step_s=predicted_optimizer_step_s(memory),
     )
     storage = job.spec.train.output_storage
     if storage == "auto":

@@ -75,6 +75,7 @@ def make_plan(
     interfaces: dict[str, str] | None = None,
     infiniband_hosts: frozenset[str] = frozenset(),
     entry: tuple[str, ...] = (),
+    predicted_step_s: float | None = None,
 ) -> LaunchPlan:
     """Plan a job on ``nodes`` (in rank order).
 
@@ -86,6 +87,8 @@ def make_plan(
     containers get ``/dev/infiniband`` so NCCL can use IB/RoCE instead of TCP.
     ``entry``: another module (and its arguments) for the launcher to run instead of the
     trainer, with everything else unchanged (the collective check uses this).
+    ``predicted_step_s``: the step-time model's optimizer step, when it predicted one: the trainer
+    sets its process group's timeout in training from it (train/hang/timeout.py).
     """
     interfaces = interfaces or {}
     master = master_addr or (spec.launch.master_addr if spec.launch.master_addr != "auto" else nodes[0].host)
@@ -102,6 +105,7 @@ def make_plan(
             interfaces.get(node.host),
             node.host in infiniband_hosts,
             entry,
+            predicted_step_s,
         )
         for rank, node in enumerate(nodes)
     )
@@ -141,11 +145,12 @@ def _plan_node(
     interface: str | None,
     infiniband: bool,
     entry: tuple[str, ...] = (),
+    predicted_step_s: float | None = None,
 ) -> NodePlan:
     job_dir = f"{remote_dir_for(spec, node.host)}/jobs/{job_id}"
     output_dir = output_dir_for(spec, node.host)
     gpus = node.slots if spec.accelerator == "gpu" else ()
-    visible_env = _node_env(spec, job_id, rank, num_nodes, interface)
+    visible_env = _node_env(spec, job_id, rank, num_nodes, interface, predicted_step_s)
     shown_env = {**visible_env, **dict.fromkeys(secrets, MASK)}
     if spec.runtime == "docker":
         command = _launcher(
@@ -183,7 +188,9 @@ def container_name(job_id: str, rank: int) -> str:
     return f"dzctl-{job_id}-{rank}"
 
 
-def _node_env(spec: JobSpec, job_id: str, rank: int, num_nodes: int, interface: str | None) -> dict[str, str]:
+def _node_env(
+    spec: JobSpec, job_id: str, rank: int, num_nodes: int, interface: str | None, predicted_step_s: float | None
+) -> dict[str, str]:
     env = {k: v for k, v in spec.launch.env.items() if not is_secret_name(k)}
     env.update(
         DZCTL_JOB=spec.name,
@@ -194,6 +201,9 @@ def _node_env(spec: JobSpec, job_id: str, rank: int, num_nodes: int, interface: 
         # Unbuffered output, so `dzctl logs --follow` shows lines as they happen.
         PYTHONUNBUFFERED="1",
     )
+    if predicted_step_s:
+        # The process group's timeout in training: max(5 min, 20 x this) with the default stall bounds.
+        env["DZCTL_PREDICTED_STEP_S"] = f"{predicted_step_s:.3f}"
     if spec.accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     else:

@@ -20,6 +20,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from .data.tokenizer import load_tokenizer
 from .datasets import data_summary, load_dataset  # noqa: F401 (data_summary: the data lines, for tests)
 from .evaluation.runner import EvalRunner, forward_kwargs
 from .hang import stacks
+from .hang.timeout import PhaseTimeout, predicted_step_s
 from .model import attention, checkpointing, fetchunit, lora, loss
 from .progress import ProgressLog, finite
 from .savetimer import save_callbacks
@@ -158,7 +160,7 @@ def resolve_settings(loaded: LoadedJob, ranks: Ranks, ds_config_path: Path | Non
     )
 
 
-def prepare_cpu_distributed() -> None:
+def prepare_cpu_distributed(timeout: timedelta) -> None:
     """Make accelerate see DeepSpeed over gloo on CPU-only ranks.
 
     accelerate (1.15) only enters DeepSpeed mode when it finds a GPU-like backend;
@@ -180,17 +182,22 @@ def prepare_cpu_distributed() -> None:
     ds_comm = importlib.import_module("deepspeed.comm.torch")
     if hasattr(ds_comm, "build_shm_op"):
         ds_comm.build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout)
     state = PartialState(cpu=True, backend="gloo")
     state.distributed_type = DistributedType.DEEPSPEED
 
 
-def training_arguments(loaded: LoadedJob, settings: Settings, *, save: bool) -> TrainingArguments:
+def training_arguments(
+    loaded: LoadedJob, settings: Settings, *, save: bool, group_timeout: timedelta = timedelta(minutes=30)
+) -> TrainingArguments:
+    """``group_timeout``: the process group's at its start (hang/timeout.py; torch's and HF's 30 min by default)."""
     train = loaded.spec.train
     on_cpu = loaded.spec.accelerator == "cpu" or not torch.cuda.is_available()
     if on_cpu:
-        prepare_cpu_distributed()
+        prepare_cpu_distributed(group_timeout)
     return TrainingArguments(
+        # GPU: HF hands it to accelerate, which starts DeepSpeed's (NCCL) group with it.
+        ddp_timeout=int(group_timeout.total_seconds()),
         accelerator_config={"use_configured_state": True} if on_cpu else None,
         output_dir=str(settings.output_dir),
         per_device_train_batch_size=settings.micro_batch_size,
@@ -651,7 +658,11 @@ def train(
     dataset, eval_dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     for key, value in tracker_env(spec.train.report_to, str(output_dir), os.environ.get("DZCTL_JOB_ID", "run")).items():
         os.environ.setdefault(key, value)  # the job's own launch.env wins (a tracking server, online wandb)
-    args = training_arguments(loaded, settings, save=save)  # before the model: registers ZeRO-3 for zero.Init
+    # The group's timeout follows the phase (hang/timeout.py): long while the model loads, minutes in training.
+    timeouts = PhaseTimeout(spec.stall.model_dump(), predicted_step_s(), ranks.rank)
+    stacks.pulse().listen(timeouts.phase)
+    # Before the model: registers ZeRO-3 for zero.Init.
+    args = training_arguments(loaded, settings, save=save, group_timeout=timeouts.start_timeout())
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume, lineage = _agree_on_resume(resume, output_dir)
     if ranks.rank == 0 and save:

@@ -22,7 +22,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 from ...spec.recovery import PULSE_FILE, rank_files_dir
@@ -70,10 +70,18 @@ class Pulse:
         self.path = folder / PULSE_FILE if folder is not None and rank == 0 else None
         self.state: dict = {"phase": "data-build", "since": time.time(), "step": None, "step_ended_at": None,
                             "recent_step_s": []}  # fmt: skip
+        # Told each new phase, on every rank: the process group's timeout follows it (hang/timeout.py).
+        self.listeners: list[Callable[[str], None]] = []
+
+    def listen(self, listener: Callable[[str], None]) -> None:
+        self.listeners.append(listener)
 
     def phase(self, name: str) -> None:
+        moved = name != self.state["phase"]
         self.state.update(phase=name, since=time.time())
         self._write()
+        if moved:
+            self._tell(name)
 
     def step_ended(self, step: int, seconds: float | None) -> None:
         now = time.time()
@@ -81,16 +89,26 @@ class Pulse:
         if seconds is not None:
             recent.append(round(seconds, 4))
             del recent[:-RECENT_STEPS]
+        moved = self.state["phase"] != "step"
         self.state.update(phase="step", since=now, step=step, step_ended_at=now)
         self._write()
+        if moved:
+            self._tell("step")
 
     def resume_steps(self) -> None:
         """Back to training after a save or an eval: the next step's wait counts from now, not from the
         step before the save (which would read a long save as a stalled step)."""
         now = time.time()
+        before = self.state["phase"]
         self.state.update(phase="step" if self.state["step"] is not None else "first-step", since=now,
                           step_ended_at=now)  # fmt: skip
         self._write()
+        if self.state["phase"] != before:
+            self._tell(self.state["phase"])
+
+    def _tell(self, name: str) -> None:
+        for listener in self.listeners:
+            listener(name)
 
     def _write(self) -> None:
         if self.path is None:

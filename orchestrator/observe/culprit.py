@@ -43,11 +43,21 @@ def _pairs(found):
     return zip(found, [*found[1:], None], strict=True)
 
 
+# ZeRO-3 issues its gathers with async_op and waits on the handle later, from its own frames: a rank
+# stopped in such a wait has no distributed_c10d frame (seen in tests/test_hang_recovery.py when the stop
+# landed in the forward: rank 0 waited in partition_parameters.py's AllGatherHandle.wait).
+_DEEPSPEED_WAITS = {"deepspeed/runtime/zero/partition_parameters.py": "all_gather (ZeRO-3 parameter fetch)"}
+
+
 def collective_of(stack: str | None) -> str | None:
     """The collective the rank's main thread waits in, from its Python stack; None when in none."""
     for file, name in main_thread(stack or ""):
         if file.endswith(_C10D) and not name.startswith("_"):
             return name
+        if name == "wait":
+            for suffix, collective in _DEEPSPEED_WAITS.items():
+                if file.endswith(suffix):
+                    return collective
     return None
 
 

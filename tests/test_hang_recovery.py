@@ -2,7 +2,8 @@
 ZeRO-3 on gloo. Rank 1 gets SIGSTOP mid-run; `status` says the job is stalled, names rank 1 on node 1 and
 the collective rank 0 waits in, and both ranks' stacks are stored; the supervisor (restart.on: [hang]) then
 stops the gang, swaps node 1 for the spare the evidence points to, and the job resumes and succeeds with
-the same losses as the first attempt had for every step both ran.
+the losses of an uninterrupted run at every step after the resume: the reference is the launched job's own
+job.yaml and ds_config.json run straight through by torchrun on this machine (2 ranks, no save).
 
 The bounds are the test's (stall.floor_s 6, multiple 3; 6 s is over 20 x the 0.25 s step here): the rule is
 the one docs/recovery.md states.
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +24,29 @@ from test_e2e import Controller, _progress_events
 from test_recovery import _step_losses, _supervisor_alive, _wait
 
 from orchestrator.runtimes.rankprobe import rank_pids
+from orchestrator.train.progress import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _uninterrupted(job_dir: str, output: Path, log: Path) -> subprocess.Popen:
+    """The launched job, as its nodes run it (job.yaml and ds_config.json), straight through on 2 local ranks.
+
+    Same world size, seed and data order as the launch; no checkpoint written (the losses need none).
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                           "MASTER_PORT")}  # fmt: skip
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", DZCTL_JOB_ID="reference")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", port, "-m", "orchestrator.train", f"{job_dir}/job.yaml", "--ds-config",
+            f"{job_dir}/ds_config.json", "--output-dir", str(output), "--no-save"]  # fmt: skip
+    with log.open("w") as out:
+        # Its own session: torchrun and its two ranks are stopped as one group if the test fails.
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,7 +69,7 @@ def test_a_stopped_rank_is_named_with_its_stacks_and_the_job_resumes_on_a_spare(
         steps=steps,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    supervisor = None
+    supervisor = reference = None
     try:
         first_id = controller.job_id()
         supervisor = controller.status()["restarts"]["pid"]
@@ -95,9 +122,22 @@ def test_a_stopped_rank_is_named_with_its_stacks_and_the_job_resumes_on_a_spare(
         assert sorted(resumed) == list(range(start["step"] + 1, steps + 1))
         redone = sorted(set(first) & set(resumed))
         assert len(redone) >= 2, (first, resumed)  # the steps after the checkpoint, run by both attempts
-        # To the digit (fp32 on CPU, the same world size, the resume at the checkpoint's data position).
-        assert {s: resumed[s] for s in redone} == {s: first[s] for s in redone}
+        # The uninterrupted run, after the relaunch (beside it, the two slowed each other: +80 s in all).
+        reference_started = time.monotonic()
+        reference_out, reference_log = tmp_path / "reference", tmp_path / "reference.log"
+        reference = _uninterrupted(f"{controller.remote}/{node0.name}/jobs/{first_id}", reference_out, reference_log)
+        assert reference.wait(timeout=600) == 0, reference_log.read_text()[-3000:]
+        print(f"uninterrupted reference run: {time.monotonic() - reference_started:.1f} s")
+        uninterrupted = _step_losses(read_events(reference_out / "progress.jsonl"), "reference")
+        assert sorted(uninterrupted) == list(range(1, steps + 1)), uninterrupted
+        # To the digit (fp32 on CPU, the same world size, the resume at the checkpoint's data position): every
+        # step after the resume, and every step the first attempt ran before it was stopped.
+        assert resumed == {s: uninterrupted[s] for s in resumed}
+        assert first == {s: uninterrupted[s] for s in first}
     finally:
+        if reference is not None and reference.poll() is None:
+            os.killpg(reference.pid, signal.SIGKILL)
+            reference.wait(timeout=60)
         for pid in [supervisor] if supervisor else []:
             if _supervisor_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -25,3 +25,12 @@ def test_a_rank_waiting_on_a_zero3_fetch_handle_is_inside_the_all_gather():
     culprit = name_culprit(nodes, step=6)
     assert culprit is not None and culprit["ranks"] == [1] and culprit["kind"] == "stopped"
     assert culprit["collective"] == "all_gather (ZeRO-3 parameter fetch)" and culprit["waiting_ranks"] == [0]
+
+
+def test_the_predicted_step_is_the_plans_optimizer_step_counted_once():
+    from orchestrator.observe.stall import predicted_step_s
+
+    speed = {"predicted": True, "micro_step_s": 1.0, "optimizer_step_s": 4.2}  # 4 micro-steps + 0.2 s
+    assert predicted_step_s(speed, 4) == 4.2  # was 1.0 × 4 + 4.2
+    assert predicted_step_s({"predicted": True, "micro_step_s": 1.0}, 4) == 4.0  # a plan from before the key
+    assert predicted_step_s({"predicted": False}, 4) is None

@@ -10,8 +10,11 @@ stay on the nodes beside the checkpoints (``<output_dir>/dzctl-ranks/<job id>/``
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import RemoteError
@@ -82,6 +85,18 @@ def gather_evidence(record: JobRecord, pool: HostPool, wait_s: float = PROBE_WAI
     return {"job_id": record.job_id, "taken_at": time.time(), "nodes": nodes}
 
 
+@contextlib.contextmanager
+def _evidence_lock(job_id: str) -> Iterator[None]:
+    path = evidence_path(job_id).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def evidence_path(job_id: str) -> Path:
     return dzctl_home() / "evidence" / f"{job_id}.json"
 
@@ -150,13 +165,16 @@ def stall_of(record: JobRecord, pool: HostPool, now: float | None = None) -> dic
     found = {**verdict.to_dict(), "line": verdict.line()}
     if not verdict.stalled:
         return found
-    evidence = load_evidence(record.job_id)
-    same = evidence is not None and {k: (evidence.get("stall") or {}).get(k) for k in ("phase", "step")} == {
-        "phase": verdict.phase, "step": verdict.step}  # fmt: skip
-    if not same:
-        evidence = gather_evidence(record, pool)
-        evidence["stall"] = {**found, "culprit": name_culprit(evidence["nodes"], verdict.step)}
-        save_evidence(evidence)
+    # status, --follow and the supervisor may all see a new stall at once: one of them takes the evidence
+    # (a probe resumes a stopped rank for an instant, which another probe's reading would catch).
+    with _evidence_lock(record.job_id):
+        evidence = load_evidence(record.job_id)
+        same = evidence is not None and {k: (evidence.get("stall") or {}).get(k) for k in ("phase", "step")} == {
+            "phase": verdict.phase, "step": verdict.step}  # fmt: skip
+        if not same:
+            evidence = gather_evidence(record, pool)
+            evidence["stall"] = {**found, "culprit": name_culprit(evidence["nodes"], verdict.step)}
+            save_evidence(evidence)
     culprit = evidence["stall"].get("culprit")
     return {**found, "culprit": culprit, "evidence": str(evidence_path(record.job_id)),
             "taken_at": evidence.get("taken_at")}  # fmt: skip

@@ -87,7 +87,12 @@ def check(pulse: dict | None, now: float, bounds: dict, predicted_step_s: float 
 
 
 def predicted_step_s(speed: dict | None, accumulation: int | None) -> float | None:
-    """One optimizer step as the plan predicted it (the record's plan["speed"]), when it was predicted."""
+    """One optimizer step as the plan predicted it (the record's plan["speed"]), when it was predicted.
+
+    ``optimizer_step_s`` already holds the accumulation's micro-steps and the optimizer; a plan recorded
+    before it existed has the micro-step alone, repeated ``accumulation`` times."""
     if not speed or not speed.get("predicted") or not speed.get("micro_step_s"):
         return None
-    return float(speed["micro_step_s"]) * max(1, accumulation or 1) + float(speed.get("optimizer_step_s") or 0.0)
+    if speed.get("optimizer_step_s"):
+        return float(speed["optimizer_step_s"])
+    return float(speed["micro_step_s"]) * max(1, accumulation or 1)

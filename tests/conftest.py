@@ -28,6 +28,53 @@ def _as_failure(report, reason: str) -> None:
     report.longrepr = f"skipped, but {REQUIRE_ALL}=1 allows no skip: {reason}"
 
 
+# The extended set: slow integration tests that every CI run cannot afford within its 30 minutes on this
+# 2-core machine (a clean-clone run took 2,215 s with them on 2026-12-06). They are deselected from
+# `./dev test` unless DZCTL_EXTENDED is "all" (everything) or "only" (just these);
+# benchmarks/extended_tests.sh runs them and its output is committed under benchmarks/results/. Each kept
+# a cheaper neighbour in every run, named after it.
+EXTENDED = {
+    # a Slurm node's rank runs while slurmctld is down: 50 s (every other Slurm test stays)
+    "tests/test_slurm.py::test_stop_with_slurm_down_names_each_node_whose_rank_runs_and_status_never_reads_stopped",
+    "tests/test_slurm.py::test_stop_cancels_the_slurm_job_and_leaves_nothing_on_either_node[docker]",  # [process] stays
+    "tests/test_slurm.py::test_a_killed_rank_fails_the_slurm_job_on_both_nodes_and_is_named[docker]",  # [process] stays
+    # the layer store's two whole-image paths (test_distribute_store's plan and no-store tests stay)
+    "tests/test_distribute_store.py::test_a_built_image_reaches_fresh_nodes_from_the_store_without_docker_save",
+    "tests/test_distribute_store.py::test_a_code_change_comes_from_the_store_without_a_whole_image_save",
+    "tests/test_distribute.py::test_connection_killed_mid_transfer_fails_that_host_only[openssh]",  # [paramiko] stays
+    "tests/test_watch_run.py::test_live_view_in_a_real_terminal",  # the piped and raw views stay
+    "tests/test_gang.py::test_a_bug_in_the_watchdog_is_not_a_lost_store",
+    "tests/test_e2e.py::test_a_controller_killed_mid_launch_leaves_nothing_that_stop_cannot_clean",
+    "tests/test_e2e.py::test_stop_leaves_nothing_running_and_a_relaunch_resumes[docker]",  # [process] stays
+    "tests/test_install.py::test_the_install_lines_work_in_a_fresh_venv",
+    "tests/test_recovery.py::test_stop_during_the_backoff_stops_for_good",
+    # the docker lost-node recovery (72 s): test_hang_recovery's spare takeover on process hosts stays
+    "tests/test_recovery.py::test_a_lost_node_is_replaced_by_a_spare_and_the_job_resumes_to_the_same_losses",
+    "tests/test_collective_e2e.py::test_blocked_traffic_fails_within_the_bound_names_the_node_and_leaves_nothing[docker]",
+    "tests/test_slurm.py::test_the_tiny_job_trains_across_both_slurm_nodes_and_reports_through_slurm[docker]",
+    # this session's launches (issue 41 item 4, issue 42's tune): their pure parts stay in every run
+    "tests/test_data_bad_row_launch.py::test_on_error_skip_trains_and_counts_the_row_as_skipped",
+    "tests/test_data_bad_row_launch.py::test_without_skip_the_rank_exits_2_naming_the_row_and_nothing_restarts",
+    "tests/test_tune.py::test_tune_measures_two_candidates_and_the_next_plan_uses_the_fastest",
+    # 1 s bounds: under CI's load it failed once (the builder's count of 1.2 M rows held the GIL past 1 s)
+    "tests/test_data_cache_shared.py::test_a_silent_phase_longer_than_both_bounds_keeps_the_lock_and_the_waiting_rank",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect EXTENDED unless DZCTL_EXTENDED says otherwise ("all", "only")."""
+    wanted = os.environ.get("DZCTL_EXTENDED", "")
+    if wanted == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        extended = item.nodeid in EXTENDED
+        (drop if extended != (wanted == "only") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -19,11 +19,12 @@ from ..errors import InputError
 from ..spec.job import HUB_PREFIX, DataSource, JobSpec, LoadedJob, is_secret_name, read_env_file
 from . import datafiles, fusedloss
 from .chattemplate import AUTO_TEMPLATE, ChatTemplate, resolve_chat_template
-from .datarows import DataError, to_turns
+from .datarows import DataError
 from .dsconfig import load_user_config
 from .evalsplit import EVAL_SPLIT_FIX, split_problem
 from .fusedloss import FusedLoss
 from .packing import resolve_packing
+from .preference.rows import StageMismatch, check_row
 from .shape import ModelShape, shape_for_job
 
 
@@ -224,7 +225,9 @@ def check_first_rows(job: LoadedJob, source: DataSource, path: Path, where: str)
         try:
             if isinstance(row, datafiles.Malformed):
                 raise DataError(f"{row_where}: {row.reason}")
-            to_turns(row, source.format or "alpaca", row_where, source.columns)
+            check_row(row, source.format or "alpaca", row_where, source.columns, job.spec.train.stage)
+        except StageMismatch as exc:  # another stage's rows: refused whatever data.on_error says
+            raise InputError(f"{where}: {exc.message}", fix=exc.fix) from None
         except DataError as exc:
             problems.append(exc)
     # data.on_error: skip passes over bad rows, but not over a file whose first rows all fail.

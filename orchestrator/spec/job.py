@@ -58,9 +58,16 @@ DataFormat = Literal["alpaca", "messages", "sharegpt"]
 # The fields each format reads; ``columns`` renames them (``{instruction: prompt}``: the instruction
 # is in the row's ``prompt`` column). The row formats themselves: orchestrator/planning/datarows.py.
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
-    "alpaca": ("instruction", "input", "output", "system", "history"),
-    "messages": ("messages", "role", "content", "reasoning_content"),
-    "sharegpt": ("conversations", "from", "value", "system", "reasoning_content"),
+    "alpaca": ("instruction", "input", "output", "system", "history", "chosen", "rejected", "kto_tag"),
+    # chosen, rejected, kto_tag, prompt, label, completion: train.stage dpo | kto (planning/preference/rows.py).
+    "messages": (
+        *("messages", "role", "content", "reasoning_content"),
+        *("prompt", "chosen", "rejected", "label", "completion"),
+    ),
+    "sharegpt": (
+        *("conversations", "from", "value", "system", "reasoning_content"),
+        *("chosen", "rejected", "kto_tag"),
+    ),
 }
 HUB_PREFIX = "hf:"
 
@@ -339,6 +346,16 @@ class TrainSpec(_Strict):
     save_best: bool = False  # keep the checkpoint of the best eval loss out of rotation (dzctl-best.json)
     # The ds_config's gradient_clipping (the global gradient norm's bound); 0: no clipping.
     max_grad_norm: float = Field(1.0, ge=0)
+    # Preference training (docs/preference.md), LLaMA-Factory's keys and defaults. sft: the rows'
+    # answers are targets. dpo: rows with a chosen and a rejected answer (pref_loss: sigmoid/ipo need
+    # the reference policy, orpo/simpo none). kto: unpaired answers labelled good or bad.
+    stage: Literal["sft", "dpo", "kto"] = "sft"
+    pref_loss: Literal["sigmoid", "ipo", "orpo", "simpo"] = "sigmoid"
+    pref_beta: float = Field(0.1, gt=0)  # DPO/KTO's beta; ORPO's lambda (odds-ratio weight); SimPO's beta
+    pref_ftx: float = Field(0.0, ge=0)  # weight of an SFT term on the chosen answers (DPO only)
+    simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin
+    kto_chosen_weight: float = Field(1.0, gt=0)  # KTO's weight of the desirable answers' loss
+    kto_rejected_weight: float = Field(1.0, gt=0)  # ... and of the undesirable ones'
 
     @field_validator("gradient_checkpointing", "packing", mode="before")
     @classmethod
@@ -358,6 +375,35 @@ class TrainSpec(_Strict):
     def _one_global_batch(self) -> TrainSpec:
         if self.global_batch_size is not None and self.global_batch_tokens is not None:
             raise ValueError("give train.global_batch_size (rows) or train.global_batch_tokens, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_keys_fit_the_stage(self) -> TrainSpec:
+        # A key of another stage would be read by nothing: refused, naming the stage that reads it.
+        given = self.model_fields_set
+        readers = {
+            "pref_loss": ("dpo",),
+            "pref_ftx": ("dpo",),
+            "simpo_gamma": ("dpo",),
+            "pref_beta": ("dpo", "kto"),
+            "kto_chosen_weight": ("kto",),
+            "kto_rejected_weight": ("kto",),
+        }
+        for key, stages in readers.items():
+            if key in given and self.stage not in stages:
+                raise KeyedValueError(
+                    (key,),
+                    f"train.{key} is read by train.stage: {' or '.join(stages)}; this job's stage is {self.stage} "
+                    f"(set train.stage: {stages[0]}, or remove train.{key})",
+                )
+        if "simpo_gamma" in given and self.pref_loss != "simpo":
+            raise KeyedValueError(
+                ("simpo_gamma",), f"train.simpo_gamma is read by pref_loss: simpo; this job's is {self.pref_loss}"
+            )
+        if self.pref_ftx and self.pref_loss == "orpo":
+            raise KeyedValueError(
+                ("pref_ftx",), "pref_loss: orpo's loss holds its SFT term already (remove train.pref_ftx)"
+            )
         return self
 
 

@@ -42,6 +42,7 @@ import numpy as np
 from ...planning.chattemplate import AUTO, ChatTemplate
 from ...planning.datafiles import Malformed
 from ...planning.datarows import DataError, to_turns
+from ...planning.preference.rows import StageMismatch, refuse_other_stage
 from . import holdout, packing, sources
 from .chat import IGNORE, ChatRenderer, TurnStats, encode_rows, make_renderer
 from .conversations import Conversation
@@ -269,7 +270,12 @@ def build(
                     try:
                         if isinstance(row, Malformed):
                             raise DataError(f"{where}: {row.reason}")
+                        # This cache holds SFT rows (train/data/preference.py reads dpo/kto ones): a preference
+                        # or KTO row is refused, never skipped (issue 44: never trained silently wrong).
+                        refuse_other_stage(row, where, source.spec.columns, "sft")
                         messages, reasoning = to_turns(row, source.spec.format or "alpaca", where, source.spec.columns)
+                    except StageMismatch:
+                        raise
                     except DataError as exc:
                         if settings.on_error == "fail":
                             raise DataError(exc.message, fix=exc.fix or BAD_ROW_FIX) from None

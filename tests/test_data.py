@@ -50,11 +50,11 @@ def test_alpaca_labels_cover_only_the_response(tmp_path, tokenizer):
         tmp_path / "a.jsonl", [{"instruction": "翻译成英文。", "input": "我喜欢喝茶。", "output": "I like tea."}]
     )
     (conv,) = read_conversations(path, "alpaca", "fail").conversations
-    assert conv.messages == (("user", "翻译成英文。\n\n我喜欢喝茶。"), ("assistant", "I like tea."))
+    assert conv.messages == (("user", "翻译成英文。\n我喜欢喝茶。"), ("assistant", "I like tea."))
     ((ids, labels),), stats = encode(conv, tokenizer, 1024)
     assert stats.untrained_turns == 0
     assert tokenizer.decode(ids) == (
-        "<|im_start|>user\n翻译成英文。\n\n我喜欢喝茶。<|im_end|>\n<|im_start|>assistant\nI like tea.<|im_end|>\n"
+        "<|im_start|>user\n翻译成英文。\n我喜欢喝茶。<|im_end|>\n<|im_start|>assistant\nI like tea.<|im_end|>\n"
     )
     # The response, its end-of-turn token (so the model learns to stop) and the newline after it.
     assert _trained_text(tokenizer, ids, labels) == "I like tea.<|im_end|>\n"

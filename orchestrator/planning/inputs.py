@@ -19,7 +19,7 @@ from ..errors import InputError
 from ..spec.job import HUB_PREFIX, DataSource, JobSpec, LoadedJob, is_secret_name, read_env_file
 from . import datafiles, fusedloss
 from .chattemplate import AUTO_TEMPLATE, ChatTemplate, resolve_chat_template
-from .datarows import DataError
+from .datarows import DataError, RowOptions
 from .dsconfig import load_user_config
 from .evalsplit import EVAL_SPLIT_FIX, split_problem
 from .fusedloss import FusedLoss
@@ -225,7 +225,9 @@ def check_first_rows(job: LoadedJob, source: DataSource, path: Path, where: str)
         try:
             if isinstance(row, datafiles.Malformed):
                 raise DataError(f"{row_where}: {row.reason}")
-            check_row(row, source.format or "alpaca", row_where, source.columns, job.spec.train.stage)
+            check_row(
+                row, source.format or "alpaca", row_where, source.columns, job.spec.train.stage, RowOptions.of(source)
+            )
         except StageMismatch as exc:  # another stage's rows: refused whatever data.on_error says
             raise InputError(f"{where}: {exc.message}", fix=exc.fix) from None
         except DataError as exc:

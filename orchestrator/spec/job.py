@@ -54,20 +54,21 @@ class ModelSpec(_Strict):
 SYNTHETIC_DATA = "synthetic:random"
 
 
-DataFormat = Literal["alpaca", "messages", "sharegpt"]
+DataFormat = Literal["alpaca", "messages", "sharegpt", "text"]
 # The fields each format reads; ``columns`` renames them (``{instruction: prompt}``: the instruction
 # is in the row's ``prompt`` column). The row formats themselves: orchestrator/planning/datarows.py.
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "input", "output", "system", "history", "chosen", "rejected", "kto_tag"),
     # chosen, rejected, kto_tag, prompt, label, completion: train.stage dpo | kto (planning/preference/rows.py).
     "messages": (
-        *("messages", "role", "content", "reasoning_content"),
+        *("messages", "role", "content", "reasoning_content", "tools"),
         *("prompt", "chosen", "rejected", "label", "completion"),
     ),
     "sharegpt": (
-        *("conversations", "from", "value", "system", "reasoning_content"),
+        *("conversations", "from", "value", "system", "reasoning_content", "tools"),
         *("chosen", "rejected", "kto_tag"),
     ),
+    "text": ("text",),  # continued pretraining: every token trained
 }
 HUB_PREFIX = "hf:"
 
@@ -98,7 +99,35 @@ def _check_columns(columns: dict[str, str], fmt: str, key: KeyPath | None = None
             raise refused(f"{name!r} maps to an empty column name")
 
 
-class DataSource(_Strict):
+class SharegptTags(_Strict):
+    """LLaMA-Factory's sharegpt ``tags``: the key of a turn's role and text, and each role's name."""
+
+    role_tag: str = Field("from", min_length=1)
+    content_tag: str = Field("value", min_length=1)
+    user_tag: str = Field("human", min_length=1)
+    assistant_tag: str = Field("gpt", min_length=1)
+    observation_tag: str = Field("observation", min_length=1)  # a tool's result
+    function_tag: str = Field("function_call", min_length=1)  # the assistant's tool call
+    system_tag: str = Field("system", min_length=1)
+
+
+TrainOnEos = Literal["turn", "last", "all", "none"]
+TRAINABLE_ROLES = ("system", "user", "assistant", "tool")
+
+
+class TurnTraining(_Strict):
+    """Which turns of a conversation carry loss (axolotl's chat_template keys); the defaults train the answers."""
+
+    # Roles whose turns are trained (axolotl's roles_to_train); None: assistant turns.
+    roles_to_train: list[Literal["system", "user", "assistant", "tool"]] | None = None
+    # Which end-of-turn tokens are trained: each trained turn's (turn), the last one's, every turn's, none.
+    train_on_eos: TrainOnEos | None = None
+    # A per-turn boolean key of the row's turns that decides that turn (axolotl's message_field_training);
+    # None: the key ``train`` where a turn has it.
+    message_field_training: str | None = Field(None, min_length=1)
+
+
+class DataSource(TurnTraining):
     """One data set of ``data.sources``: where it is, its format, its share of the mix."""
 
     # A file (.json array, .jsonl, .parquet), a folder of ``datasets.save_to_disk``, or
@@ -109,6 +138,7 @@ class DataSource(_Strict):
     # The mix: each source's share of the rows is weight / sum(weights) (see train/data/mix.py).
     weight: float = Field(1.0, gt=0)
     max_rows: int | None = Field(None, ge=1)  # the first N rows of this source
+    tags: SharegptTags | None = None  # None: data.tags (format sharegpt)
     # Written by ``dzctl launch`` into the job file it ships: the path as the user gave it,
     # so that an error on the node names the user's file rather than the node's copy.
     shipped_from: str | None = None
@@ -153,8 +183,20 @@ def _check_eval_split(value: float | int | None) -> float | int | None:
     return value
 
 
-class DataSpec(_Strict):
-    # One source (the first form, kept): data.path with data.format. Or several: data.sources.
+def _dataset_names(value: Any) -> Any:
+    # LLaMA-Factory writes ``dataset: identity,alpaca_en_demo``: one string, names split at commas.
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return value
+
+
+MixStrategy = Literal["weights", "concat", "interleave_under", "interleave_over"]
+
+
+class DataSpec(TurnTraining):
+    # One source (the first form, kept): data.path with data.format. Or several: data.sources. Or
+    # LLaMA-Factory's registry: data.dataset_info (dataset_info.json or its folder) with data.dataset
+    # (names in it), expanded into data.sources when the job is loaded (spec/registry.py).
     path: str | None = Field(None, min_length=1)
     format: DataFormat = "alpaca"
     columns: dict[str, str] = Field(default_factory=dict)
@@ -162,6 +204,14 @@ class DataSpec(_Strict):
     on_error: Literal["fail", "skip"] = "fail"
     sources: list[DataSource] | None = Field(None, min_length=1)
     shipped_from: str | None = None  # as DataSource.shipped_from, for data.path
+    tags: SharegptTags | None = None  # format sharegpt: LLaMA-Factory's tags (role and text keys, role names)
+    dataset_info: str | None = Field(None, min_length=1)
+    dataset: Annotated[list[str] | None, BeforeValidator(_dataset_names)] = Field(None, min_length=1)
+    # How the sources mix (train/data/mix.py): weights (data.sources' default: each source's share is its
+    # weight), concat (data.dataset's default: every row of each, as LLaMA-Factory), interleave_under /
+    # interleave_over (shares from data.interleave_probs, stopping at the first / last source used up).
+    mix_strategy: MixStrategy | None = None
+    interleave_probs: list[Annotated[float, Field(gt=0)]] | None = Field(None, min_length=1)
     # Where the nodes keep tokenized data (train/data/cache.py). None: <output_dir>/data-cache.
     cache_dir: str | None = None
     # The chat template (planning/chattemplate.py): auto (the tokenizer's own) | chatml | plain | PATH.jinja.
@@ -177,11 +227,31 @@ class DataSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_form(self) -> DataSpec:
-        if (self.path is None) == (self.sources is None):
+        if (self.dataset is None) != (self.dataset_info is None):
+            key = "dataset_info" if self.dataset_info is None else "dataset"
+            raise KeyedValueError(
+                (key,),
+                f"data.dataset and data.dataset_info go together: data.{key} is missing "
+                "(data.dataset_info: dataset_info.json or its folder; data.dataset: names in it)",
+            )
+        if self.dataset is not None and (self.path is not None or self.sources is not None):
+            raise ValueError("give data.dataset (with data.dataset_info), data.path or data.sources: one of them")
+        if self.dataset is None and (self.path is None) == (self.sources is None):
             raise ValueError(
                 "give data.path (one data set) or data.sources (a list of them, each with path:), not both"
                 if self.path
                 else "data.path is missing: give data.path (one data set) or data.sources (a list of them)"
+            )
+        if self.interleave_probs is not None and not (self.mix_strategy or "").startswith("interleave"):
+            raise KeyedValueError(
+                ("interleave_probs",),
+                "data.interleave_probs needs data.mix_strategy: interleave_under or interleave_over",
+            )
+        count = len(self.dataset or self.sources or ())
+        if self.interleave_probs is not None and self.sources is not None and len(self.interleave_probs) != count:
+            raise KeyedValueError(
+                ("interleave_probs",),
+                f"data.interleave_probs has {len(self.interleave_probs)} values for {count} sources",
             )
         if self.path == SYNTHETIC_DATA and (self.columns or self.max_rows):
             key = "columns" if self.columns else "max_rows"
@@ -244,8 +314,9 @@ class DataSpec(_Strict):
 
     def all_sources(self) -> list[DataSource]:
         """Every source with data.format / data.columns filled in (``data.path`` is one source)."""
+        inherited = ("tags", "roles_to_train", "train_on_eos", "message_field_training")
         if self.sources is None:
-            assert self.path is not None
+            assert self.path is not None, "data.dataset is expanded into data.sources at load (spec/registry.py)"
             return [
                 DataSource(
                     path=self.path,
@@ -253,6 +324,7 @@ class DataSpec(_Strict):
                     columns=dict(self.columns),
                     max_rows=self.max_rows,
                     shipped_from=self.shipped_from,
+                    **{key: getattr(self, key) for key in inherited},
                 )
             ]
         return [
@@ -260,10 +332,16 @@ class DataSpec(_Strict):
                 update={
                     "format": s.format or self.format,
                     "columns": dict(self.columns if s.columns is None else s.columns),
+                    **{key: getattr(self, key) for key in inherited if getattr(s, key) is None},
                 }
             )
             for s in self.sources
         ]
+
+    @property
+    def mix(self) -> str:
+        """``mix_strategy`` resolved: weights for data.sources, concat for data.dataset."""
+        return self.mix_strategy or ("concat" if self.dataset is not None else "weights")
 
 
 # Attention and MLP projections of the Llama/Qwen/Mistral families (HF module names).
@@ -633,9 +711,26 @@ def load_job(
     except ValidationError as exc:
         raise SpecError(_format_validation(exc, lines, overrides)) from None
     loaded = LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
+    if spec.data.dataset is not None:
+        loaded = _with_registry_sources(loaded)
     _check_fused_loss(loaded)
     _check_eval(loaded)
     return loaded
+
+
+def _with_registry_sources(loaded: LoadedJob) -> LoadedJob:
+    """data.dataset (LLaMA-Factory's registry names) expanded into data.sources (spec/registry.py)."""
+    from . import registry  # it reads files: only jobs that name a registry pay for it
+
+    where = loaded.where("data.dataset")
+    data = loaded.spec.data.model_dump(mode="json", exclude_none=True, exclude_defaults=False)
+    data["_format_given"] = "format" in loaded.spec.data.model_fields_set
+    expanded = registry.expand(data, loaded.path.parent, where)
+    try:
+        spec = loaded.spec.model_copy(update={"data": DataSpec.model_validate(expanded)})
+    except ValidationError as exc:
+        raise registry.validation_error(exc, where, str(loaded.spec.data.dataset_info)) from None
+    return LoadedJob(spec=spec, path=loaded.path, lines=loaded.lines, overrides=loaded.overrides)
 
 
 def _check_eval(loaded: LoadedJob) -> None:

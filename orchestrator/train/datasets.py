@@ -89,6 +89,11 @@ def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[s
             if source.get("reasoning_dropped"):
                 reasoning += f" ({source['reasoning_dropped']} removed: data.enable_thinking false)"
         split = f", {source['split_rows']} rows split per turn" if source.get("split_rows") else ""
+        if source.get("tool_rows"):
+            split += f", {source['tool_rows']} rows with tools"
+        # Every column accounted for: the ones the format does not read are named (train/data/build.py).
+        if source.get("ignored"):
+            split += f"; ignored: {', '.join(source['ignored'])}"
         lines.append(
             f"data {source['label']}:{share} {source['examples']:,} examples, {source['skipped']} rows skipped, "
             f"{source['truncated_away']} dropped (responses past max_seq_len {max_seq_len}), "

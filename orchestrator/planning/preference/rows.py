@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..datarows import SHAREGPT_ROLES, DataError, Messages, Reasoning, to_turns
+from ..datarows import SHAREGPT_ROLES, DataError, Messages, Reasoning, RowOptions, read_row, to_turns
 
 # Where a preference or KTO column sends the row: the stage that trains it.
 PREFERENCE_COLUMNS = ("chosen", "rejected")
@@ -200,7 +200,9 @@ def to_kto(row: Any, fmt: str, where: str, columns: dict[str, str] | None = None
     return KtoRow(prompt, prompt_reasoning, Answer(turns[-1][1], reasoning[-1]), label)
 
 
-def check_row(row: Any, fmt: str, where: str, columns: dict[str, str] | None, stage: str) -> None:
+def check_row(
+    row: Any, fmt: str, where: str, columns: dict[str, str] | None, stage: str, options: RowOptions | None = None
+) -> None:
     """The controller's check of one row for ``stage``: a ``DataError`` (``StageMismatch``) when it is not one."""
     if stage == "dpo":
         to_preference(row, fmt, where, columns)
@@ -208,4 +210,5 @@ def check_row(row: Any, fmt: str, where: str, columns: dict[str, str] | None, st
         to_kto(row, fmt, where, columns)
     else:
         refuse_other_stage(row, where, columns, stage)
-        to_turns(row, fmt, where, columns)
+        # The source's tags and per-turn train key too (datarows.RowOptions), as the node's builder reads it.
+        read_row(row, fmt, where, options or RowOptions(columns=columns))

@@ -41,12 +41,12 @@ import numpy as np
 
 from ...planning.chattemplate import AUTO, ChatTemplate
 from ...planning.datafiles import Malformed
-from ...planning.datarows import DataError, to_turns
+from ...planning.datarows import DataError, RowOptions, read_columns, read_row
 from ...planning.preference.rows import StageMismatch, refuse_other_stage
 from . import holdout, packing, sources
-from .chat import IGNORE, ChatRenderer, TurnStats, encode_rows, make_renderer
+from .chat import IGNORE, ChatRenderer, TrainingRule, TurnStats, encode_rows, make_renderer
 from .conversations import Conversation
-from .mix import mix_counts
+from .mix import mix_counts, over_counts
 
 CHUNK = 256  # conversations per task handed to a worker
 PROGRESS_EVERY_S = 5.0
@@ -67,6 +67,7 @@ class BuildSettings:
     eval_split: float | int | None = None  # data.eval_split: rows held out of training (holdout.py)
     template: ChatTemplate | None = None  # data.template resolved (None: auto)
     enable_thinking: object = AUTO  # data.enable_thinking
+    mix: str = "weights"  # data.mix_strategy resolved: weights | concat | interleave_under | interleave_over
 
 
 @dataclass
@@ -84,6 +85,8 @@ class SourceStats:
     reasoning_turns: int = 0
     reasoning_dropped: int = 0  # data.enable_thinking: false
     tokens: int = 0
+    tool_rows: int = 0  # rows with tools or tool calls
+    ignored: list[str] = field(default_factory=list)  # columns of the rows that the format does not read
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -112,8 +115,7 @@ def encode_batch(
     conversations: list[Conversation], tokenizer: Any, max_len: int, renderer: ChatRenderer, stats: TurnStats
 ) -> list[list[tuple[list[int], list[int]]]]:
     """Each conversation's examples, as ``conversations.encode_all`` makes them (one tokenizer call for all)."""
-    turns = [(c.messages, c.reasoning) for c in conversations]
-    rows = encode_rows(turns, tokenizer, renderer, max_len, stats, [c.where for c in conversations])
+    rows = encode_rows(conversations, tokenizer, renderer, max_len, stats, [c.where for c in conversations])
     return [row.examples for row in rows]
 
 
@@ -134,7 +136,7 @@ def _encode_chunk(
     ):
         # Every example of a row (one per turn where the template re-renders history) has the row's key,
         # so a held-out row is held out whole.
-        key = holdout.row_key(conversation.messages, key_seed) if key_seed is not None else None
+        key = holdout.row_key(conversation.key_material, key_seed) if key_seed is not None else None
         kept = False
         for ids, labels in examples:
             values = np.asarray(ids, dtype=np.int64)
@@ -194,7 +196,8 @@ def build(
     dtype, bit = token_dtype(len(tokenizer))
     stats = [SourceStats(s.label, s.spec.weight) for s in found]
     take: list[int | None] = [s.spec.max_rows for s in found]
-    if len(found) > 1:
+    # concat: every row of every source (LLaMA-Factory's default), nothing to count.
+    if len(found) > 1 and settings.mix != "concat":
         available = []
         for source, stat in zip(found, stats, strict=True):
             report(f"data: counting the rows of {source.label} (for the mix)")
@@ -208,7 +211,9 @@ def build(
                 )
             stat.available = counted
             available.append(min(counted, source.spec.max_rows or counted))
-        take = list(mix_counts(available, [s.spec.weight for s in found]))
+        weights = [s.spec.weight for s in found]
+        over = settings.mix == "interleave_over"
+        take = list(over_counts(available, weights) if over else mix_counts(available, weights))
     workers = worker_count() if workers is None else workers
     key_seed = settings.seed if settings.eval_split is not None else None
     chat = make_renderer(tokenizer, settings.template, settings.enable_thinking)
@@ -263,17 +268,20 @@ def build(
                 chunk: list[Conversation] = []
                 position = [0]
                 size = _size(source)
-                for where, row in sources.iter_rows(source, position):
-                    if limit is not None and stat.read >= limit:
-                        break
+                fmt = source.spec.format or "alpaca"
+                options = RowOptions.of(source.spec)
+                rule = TrainingRule.of(source.spec)
+                columns = _Columns(read_columns(fmt, options))
+                for where, row in _cycled(source, position, limit):
                     stat.read += 1
                     try:
                         if isinstance(row, Malformed):
                             raise DataError(f"{where}: {row.reason}")
+                        columns.see(row)
                         # This cache holds SFT rows (train/data/preference.py reads dpo/kto ones): a preference
                         # or KTO row is refused, never skipped (issue 44: never trained silently wrong).
                         refuse_other_stage(row, where, source.spec.columns, "sft")
-                        messages, reasoning = to_turns(row, source.spec.format or "alpaca", where, source.spec.columns)
+                        read = read_row(row, fmt, where, options)
                     except StageMismatch:
                         raise
                     except DataError as exc:
@@ -283,13 +291,15 @@ def build(
                         if len(skipped_lines) < 20:
                             skipped_lines.append(str(exc))
                         continue
-                    chunk.append(Conversation(messages, where, reasoning))
+                    stat.tool_rows += bool(read.tools or read.tool_calls)
+                    chunk.append(Conversation.of(read, where, rule))
                     if len(chunk) >= CHUNK:
                         submit(source.index, chunk)
                         chunk = []
                     progress.tick(stats, source, position[0] / size if size else None)
                 if chunk:
                     submit(source.index, chunk)
+                stat.ignored = columns.ignored()
             drain(0)
     finally:
         if pool is not None:
@@ -334,6 +344,39 @@ def build(
         info["rows"] = _pack_into(folder, "", trained, all_lengths, settings, files)
         info["capacity"] = info["rows"] * settings.max_seq_len
     return BuildResult(files=files, info=info, skipped_lines=skipped_lines)
+
+
+def _cycled(source: sources.Source, position: list[int], limit: int | None):
+    """The source's rows, at most ``limit``; past its end (interleave_over) from its first row again."""
+    read = 0
+    while True:
+        before = read
+        for item in sources.iter_rows(source, position):
+            if limit is not None and read >= limit:
+                return
+            read += 1
+            yield item
+        if limit is None or read >= limit or read == before:
+            return
+
+
+class _Columns:
+    """The columns of a source's rows that its format does not read, named once in the data summary.
+
+    A set of names per source, whatever the rows: memory stays a few names (at most ``LIMIT``)."""
+
+    LIMIT = 20
+
+    def __init__(self, read: frozenset[str]) -> None:
+        self.read = read
+        self.found: set[str] = set()
+
+    def see(self, row: object) -> None:
+        if isinstance(row, dict) and len(self.found) < self.LIMIT:
+            self.found.update(key for key in row if key not in self.read)
+
+    def ignored(self) -> list[str]:
+        return sorted(self.found)
 
 
 def _pack_into(

@@ -31,17 +31,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ...planning.datarows import ROLES, DataError, to_turns
-from .chat import IGNORE, ChatRenderer, TurnStats, encode_rows, make_renderer
+from ...planning.datarows import ROLES, DataError, Row, to_turns
+from .chat import IGNORE, ChatRenderer, TrainingRule, TurnStats, encode_rows, make_renderer
 
 __all__ = ["IGNORE", "ROLES", "Conversation", "DataError", "Encoded", "encode", "encode_all", "read_conversations"]
 
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: tuple[tuple[str, str], ...]  # (role, content)
+    messages: tuple[tuple[str, str], ...]  # (role, content); empty for a text row
     where: str  # "file:row N", for messages about this row
     reasoning: tuple[str | None, ...] = ()  # per message: an assistant turn's reasoning_content
+    tool_calls: tuple[Any, ...] = ()  # per message: an assistant turn's tool calls (datarows.Row), else None
+    tools: tuple[dict[str, Any], ...] | None = None  # the row's tool list (the template's tools block)
+    trained: tuple[bool | None, ...] = ()  # per message: the row's own train flag, else None
+    text: str | None = None  # data.format text: the document, every token trained
+    rule: TrainingRule | None = None  # the source's roles_to_train / train_on_eos (None: assistant turns, "turn")
+
+    @classmethod
+    def of(cls, row: Row, where: str, rule: TrainingRule | None = None) -> Conversation:
+        return cls(row.messages, where, row.reasoning, row.tool_calls, row.tools, row.trained, row.text, rule)
+
+    @property
+    def key_material(self) -> Any:
+        """What identifies the row for data.eval_split (holdout.row_key): its turns, or its text."""
+        return self.messages if self.text is None else [["text", self.text]]
 
 
 @dataclass
@@ -125,8 +139,7 @@ def encode_all(
 ) -> Encoded:
     out = Encoded()
     renderer = renderer or make_renderer(tokenizer)
-    rows = [(c.messages, c.reasoning) for c in conversations]
-    for row in encode_rows(rows, tokenizer, renderer, max_len, out.stats, [c.where for c in conversations]):
+    for row in encode_rows(conversations, tokenizer, renderer, max_len, out.stats, [c.where for c in conversations]):
         for ids, labels in row.examples:
             if all(label == IGNORE for label in labels):
                 out.truncated_away += 1
@@ -141,6 +154,5 @@ def encode(
     """The examples of one conversation (token ids, and labels -100 outside assistant turns), cut to ``max_len``."""
     stats = TurnStats()
     renderer = renderer or make_renderer(tokenizer)
-    rows = [(conversation.messages, conversation.reasoning)]
-    (row,) = encode_rows(rows, tokenizer, renderer, max_len, stats, [conversation.where])
+    (row,) = encode_rows([conversation], tokenizer, renderer, max_len, stats, [conversation.where])
     return row.examples, stats

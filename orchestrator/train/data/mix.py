@@ -10,7 +10,11 @@ random draw: the shares come out as asked, and the same data gives the same mix 
 node and every launch. Which mixed row lands where in training is then decided by
 ``train.seed`` (packing's shuffle, and the Trainer's sampler).
 
-A source can be repeated or cut only through ``max_rows`` (and by giving it twice).
+``data.mix_strategy`` (docs/data.md): ``weights`` (data.sources' default) and
+``interleave_under`` are ``mix_counts``; ``interleave_over`` is ``over_counts``, the smallest mix
+that keeps the shares and uses every row of every source (LLaMA-Factory's ``all_exhausted``:
+a source short of its share starts over from its first row); ``concat`` takes every row of
+each source, no counts needed.
 """
 
 from __future__ import annotations
@@ -25,3 +29,13 @@ def mix_counts(available: list[int], weights: list[float]) -> list[int]:
     shares = [w / total for w in weights]
     size = min(n / s for n, s in zip(available, shares, strict=True))
     return [min(n, round(size * s)) for n, s in zip(available, shares, strict=True)]
+
+
+def over_counts(available: list[int], weights: list[float]) -> list[int]:
+    """Rows per source of ``interleave_over``: every row used, shares kept, short sources repeated."""
+    if len(available) != len(weights) or not available:
+        raise ValueError("one weight per source")
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    size = max(n / s for n, s in zip(available, shares, strict=True))
+    return [max(n, round(size * s)) for n, s in zip(available, shares, strict=True)]

@@ -119,6 +119,7 @@ def key_material(found: list[sources.Source], tokenizer: Any, settings: BuildSet
                 "columns": s.spec.columns or {},
                 "weight": s.spec.weight if len(found) > 1 else 1.0,
                 "max_rows": s.spec.max_rows,
+                **_reading(s.spec),
             }
             for s in found
         ],
@@ -132,11 +133,26 @@ def key_material(found: list[sources.Source], tokenizer: Any, settings: BuildSet
         "template": [settings.template.name, settings.template.digest] if settings.template else None,
         "enable_thinking": settings.enable_thinking,
     }
+    if settings.mix not in ("weights", "concat") or (settings.mix == "concat" and len(found) > 1):
+        material["mix"] = settings.mix  # data.sources' weighted mix keeps the key it always had
     if settings.eval_split is not None:
         # Only when set: the key of every cache built without it stays as it was.
         material["eval_split"] = {"split": settings.eval_split, "seed": settings.seed}
     fingerprints.save()
     return material
+
+
+def _reading(source) -> dict:
+    """What, beyond format and columns, changes how a source's rows become tokens: only what is set,
+    so the key of a cache built before these keys existed stays as it was (messages, sharegpt)."""
+    out = {}
+    if source.format == "alpaca":
+        out["alpaca_join"] = "\n"  # instruction and input joined by one newline (was a blank line)
+    for key in ("tags", "roles_to_train", "train_on_eos", "message_field_training"):
+        value = getattr(source, key, None)
+        if value is not None:
+            out[key] = value.model_dump() if hasattr(value, "model_dump") else value
+    return out
 
 
 def prepare(
@@ -160,6 +176,7 @@ def prepare(
         eval_split=split,
         template=node_chat_template(loaded),
         enable_thinking=spec.data.enable_thinking,
+        mix=spec.data.mix if source_set == "train" else "weights",
     )
     cache_dir.mkdir(parents=True, exist_ok=True)
     token = cache.launch_token()

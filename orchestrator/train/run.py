@@ -49,6 +49,8 @@ from .evaluation.runner import EvalRunner, forward_kwargs
 from .hang import stacks
 from .hang.timeout import PhaseTimeout, predicted_step_s
 from .model import attention, checkpointing, fetchunit, lora, loss
+from .preference import stage as pref_stage
+from .preference.stage import progress_keys as pref_keys
 from .progress import ProgressLog, finite
 from .savetimer import save_callbacks
 
@@ -188,14 +190,23 @@ def prepare_cpu_distributed(timeout: timedelta) -> None:
 
 
 def training_arguments(
-    loaded: LoadedJob, settings: Settings, *, save: bool, group_timeout: timedelta = timedelta(minutes=30)
+    loaded: LoadedJob,
+    settings: Settings,
+    *,
+    save: bool,
+    group_timeout: timedelta = timedelta(minutes=30),
+    stage_arguments: tuple[type, dict[str, Any]] | None = None,
 ) -> TrainingArguments:
-    """``group_timeout``: the process group's at its start (hang/timeout.py; torch's and HF's 30 min by default)."""
+    """``group_timeout``: the process group's at its start (hang/timeout.py; torch's and HF's 30 min by default).
+
+    ``stage_arguments``: a preference stage's TRL config class and its own fields (train/preference/).
+    """
     train = loaded.spec.train
+    arguments_class, stage_fields = stage_arguments or (TrainingArguments, {})
     on_cpu = loaded.spec.accelerator == "cpu" or not torch.cuda.is_available()
     if on_cpu:
         prepare_cpu_distributed(group_timeout)
-    return TrainingArguments(
+    return arguments_class(
         # GPU: HF hands it to accelerate, which starts DeepSpeed's (NCCL) group with it.
         ddp_timeout=int(group_timeout.total_seconds()),
         accelerator_config={"use_configured_state": True} if on_cpu else None,
@@ -233,6 +244,7 @@ def training_arguments(
         # Our examples carry exactly the model's inputs; nothing to strip.
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        **stage_fields,
     )
 
 
@@ -274,6 +286,9 @@ def batch_tokens(inputs: dict[str, Any]) -> tuple[int, int, int]:
     positions the attention mask keeps (all of them in a packed or unpadded batch).
     Read from the collator's CPU tensors, before the Trainer moves them: no GPU sync.
     """
+    if "input_ids" not in inputs:  # TRL's CPO/ORPO batches: each answer's sequences (train/preference/)
+        masks = [inputs[f"{side}_attention_mask"] for side in ("chosen", "rejected")]
+        return sum(int(m.sum()) for m in masks), sum(m.numel() for m in masks), masks[0].shape[0]
     ids = inputs["input_ids"]
     mask = inputs.get("attention_mask")
     real = int(mask.sum()) if mask is not None else ids.numel()
@@ -368,6 +383,7 @@ class ProgressCallback(TrainerCallback):
         self.samples_at_last_end = 0
         self.last_rate: tuple[float, float] | None = None
         self.last_processed_rate: float | None = None
+        self.preference = False  # train.stage dpo | kto: TRL's evaluations are written as eval events here
 
     def _common(self, state) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
@@ -416,6 +432,11 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
+        if self.ranks.rank == 0 and self.preference and "eval_loss" in logs:
+            # A preference stage's evaluation (TRL's evaluate): its loss and reward metrics.
+            self.log.write(
+                "eval", **self._common(state), eval_loss=finite(logs["eval_loss"]), **pref_keys(logs, "eval_")
+            )
         if self.ranks.rank != 0 or "loss" not in logs:
             return
         recent = self.step_times[-10:]
@@ -433,6 +454,7 @@ class ProgressCallback(TrainerCallback):
             eta_s=round(eta, 1) if eta is not None else None,
             step_time_s=round(self.step_times[-1], 4) if self.step_times else None,
             **token_rates(tokens_per_s, self.last_processed_rate),
+            **pref_keys(logs),  # train.stage dpo | kto: rewards, reward accuracy and margin, KTO's KL
         )
 
     def on_save(self, args, state, control, **kwargs):
@@ -655,14 +677,24 @@ def train(
     fused_loss = resolve_fused_loss(loaded, config)
     if ranks.rank == 0:
         print(f"dzctl-train: loss {fused_loss} (train.fused_loss: {spec.train.fused_loss})", flush=True)
-    dataset, eval_dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
+    preference = spec.train.stage != "sft"
+    if preference:  # dpo | kto: the rows tokenized in memory, TRL's trainers (train/preference/)
+        dataset, eval_dataset = pref_stage.load_data(loaded, tokenizer, ranks)
+    else:
+        dataset, eval_dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     for key, value in tracker_env(spec.train.report_to, str(output_dir), os.environ.get("DZCTL_JOB_ID", "run")).items():
         os.environ.setdefault(key, value)  # the job's own launch.env wins (a tracking server, online wandb)
     # The group's timeout follows the phase (hang/timeout.py): long while the model loads, minutes in training.
     timeouts = PhaseTimeout(spec.stall.model_dump(), predicted_step_s(), ranks.rank)
     stacks.pulse().listen(timeouts.phase)
     # Before the model: registers ZeRO-3 for zero.Init.
-    args = training_arguments(loaded, settings, save=save, group_timeout=timeouts.start_timeout())
+    reference = pref_stage.reference_for(loaded, config, ranks.world_size) if preference else None
+    if reference is not None and ranks.rank == 0:
+        print(f"dzctl-train: stage {pref_stage.describe(loaded, reference)}", flush=True)
+    stage_arguments = pref_stage.arguments(loaded, reference, eval_dataset is not None) if reference else None
+    args = training_arguments(
+        loaded, settings, save=save, group_timeout=timeouts.start_timeout(), stage_arguments=stage_arguments
+    )
     gang.start_watchdog()  # the process group exists now: watch the other nodes (see gang.py)
     resume, lineage = _agree_on_resume(resume, output_dir)
     if ranks.rank == 0 and save:
@@ -670,12 +702,13 @@ def train(
         print(f"dzctl-train: checkpoint line {lineage} ({how}) in {output_dir}", flush=True)
     hf_set_seed(spec.train.seed)  # every rank creates the same random weights before partitioning
     stacks.pulse().phase("model-load")
-    packed = settings.packing and not spec.data.synthetic
+    packed = settings.packing and not spec.data.synthetic and not preference  # TRL pads its own batches
     kernel = attention.choose_kernel() if packed else None
     model = build_model(loaded, config, settings.precision, attention.register(kernel) if kernel else None)
     # Before the adapters wrap it (Liger patches the base model's own modules), and before
     # the Trainer, which reads the forward's signature.
-    loss.apply_fused_loss(model, fused_loss)
+    if not preference:  # TRL computes its log-probs through its own fused LM head
+        loss.apply_fused_loss(model, fused_loss)
     if spec.train.method == "lora":
         model = lora.wrap(model, loaded)
         if ranks.rank == 0:
@@ -691,7 +724,7 @@ def train(
         print(f"dzctl-train: packing {packed}, attention {used}", flush=True)
     collator = PackedCollator() if packed else Collator(tokenizer.pad_token_id)
     runner = None
-    if eval_dataset is not None:
+    if eval_dataset is not None and not preference:
         stopping = spec.train.early_stopping
         runner = EvalRunner(
             eval_dataset,
@@ -720,14 +753,23 @@ def train(
         eval_runner=runner,
         checkpointed_layers=settings.checkpointed_layers if settings.gradient_checkpointing else None,
     )
-    trainer = DzTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        data_collator=collator,
-        processing_class=tokenizer,
-        callbacks=[callback, *save_callbacks(spec.train.save_minutes, save), *([runner] if runner else [])],
-    )
+    callbacks = [callback, *save_callbacks(spec.train.save_minutes, save), *([runner] if runner else [])]
+    if preference:
+        callback.preference = True
+        ref_model = None
+        if reference == "frozen-copy":
+            hf_set_seed(spec.train.seed)  # random init: the copy's weights are the policy's first ones
+            ref_model = build_model(loaded, config, settings.precision)
+        trainer = pref_stage.make_trainer(loaded, model, ref_model, args, dataset, eval_dataset, tokenizer, callbacks)
+    else:
+        trainer = DzTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=collator,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
     callback.trainer = trainer
     trainer.lineage, trainer.marks_folders, trainer.eval_runner = lineage, ranks.marks_folders, runner
     stopped_early = None  # the step early stopping ended the run at, once it has

@@ -10,6 +10,7 @@ from __future__ import annotations
 # runs (or for --help): `dzctl status` need not load the docker SDK or the planner.
 COMMANDS = {
     "build": "orchestrator.commands.build",
+    "convert": "orchestrator.commands.convert",
     "distribute": "orchestrator.commands.distribute",
     "export": "orchestrator.commands.export",
     "launch": "orchestrator.commands.launch",

@@ -26,6 +26,8 @@ from pydantic import (
 )
 
 from ..errors import SpecError
+from . import foreign
+from .keymap import Conversion
 from .recovery import NotifySpec, RestartSpec, StallSpec
 from .yamlsource import KeyPath, LineMap, load_yaml_with_lines
 
@@ -674,6 +676,8 @@ class LoadedJob:
     path: Path
     lines: LineMap
     overrides: tuple[str, ...] = ()
+    # The file was a LLaMA-Factory or axolotl YAML: what it became, key by key (spec/foreign.py).
+    converted: Conversion | None = None
 
     def where(self, dotted: str) -> str:
         """``file:line`` of a key (or ``--set`` when an override set it)."""
@@ -700,9 +704,15 @@ def load_job(
         raise SpecError(f"{path}:1: the job file is empty", fix="see jobs/tiny-cpu.yaml for an example")
     if not isinstance(data, dict):
         raise SpecError(f"{path}:1: a job file is a mapping of keys (name:, model:, ...), not a {type(data).__name__}")
+    # Another tool's YAML becomes a dzctl job here, before --set (which then sets dzctl's keys) and validation.
+    converted = foreign.convert(data, lines, path) if foreign.detect(data) else None
+    if converted is not None:
+        data, lines = converted.data, converted.lines
     overrides = tuple(overrides)
     for item in overrides:
         apply_override(data, item)
+    if converted is not None and (refused := converted.refused(overrides)):
+        raise foreign.refusal_error(converted, refused)
     if runtime is not None:
         overrides += (f"runtime={runtime}",)
         data["runtime"] = runtime
@@ -710,7 +720,7 @@ def load_job(
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(_format_validation(exc, lines, overrides)) from None
-    loaded = LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides)
+    loaded = LoadedJob(spec=spec, path=path, lines=lines, overrides=overrides, converted=converted)
     if spec.data.dataset is not None:
         loaded = _with_registry_sources(loaded)
     _check_fused_loss(loaded)
@@ -730,7 +740,9 @@ def _with_registry_sources(loaded: LoadedJob) -> LoadedJob:
         spec = loaded.spec.model_copy(update={"data": DataSpec.model_validate(expanded)})
     except ValidationError as exc:
         raise registry.validation_error(exc, where, str(loaded.spec.data.dataset_info)) from None
-    return LoadedJob(spec=spec, path=loaded.path, lines=loaded.lines, overrides=loaded.overrides)
+    return LoadedJob(
+        spec=spec, path=loaded.path, lines=loaded.lines, overrides=loaded.overrides, converted=loaded.converted
+    )
 
 
 def _check_eval(loaded: LoadedJob) -> None:

@@ -61,7 +61,8 @@ def registry_path(value: str, job_folder: Path) -> Path:
 def expand(data: dict[str, Any], job_folder: Path, where: str) -> dict[str, Any]:
     """``data`` (the section as validated, dumped) with data.dataset expanded into data.sources."""
     registry = registry_path(data["dataset_info"], job_folder)
-    shown = data["dataset_info"] if registry.name == Path(data["dataset_info"]).name else str(registry)
+    absolute = Path(data["dataset_info"]).expanduser().is_absolute()
+    shown = str(registry) if absolute else os.path.relpath(registry, job_folder)
     try:
         entries = json.loads(registry.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -75,7 +76,6 @@ def expand(data: dict[str, Any], job_folder: Path, where: str) -> dict[str, Any]
         raise SpecError(f"{where}: data.dataset_info: {registry} holds a {type(entries).__name__}, not a mapping")
     # Paths stay relative to the job file where the registry is (so its files are shipped with the job);
     # a registry given by an absolute path names files on the nodes' storage.
-    absolute = Path(data["dataset_info"]).expanduser().is_absolute()
     text = data.get("format") == "text" and data.get("_format_given")
     sources = []
     for name in data["dataset"]:
@@ -85,7 +85,9 @@ def expand(data: dict[str, Any], job_folder: Path, where: str) -> dict[str, Any]
                 f"{where}: data.dataset: {name!r} is not in {shown}",
                 fix=f"use one of its names ({known}{', ...' if len(entries) > 20 else ''}), or add it there",
             )
-        sources += _entry_sources(name, entries[name], registry, job_folder, absolute, f"{shown}: {name!r}", text)
+        sources += _entry_sources(
+            name, entries[name], registry, job_folder, absolute, f"{where}: data.dataset {name!r} ({shown})", text
+        )
     if data.get("mix_strategy", "concat").startswith("interleave") and data.get("interleave_probs"):
         if len(data["interleave_probs"]) != len(data["dataset"]):
             raise SpecError(

@@ -82,7 +82,10 @@ def data_summary(info: dict[str, Any], max_seq_len: int, packed: bool) -> list[s
     for source in info["sources"]:
         share = ""
         if len(info["sources"]) > 1:
-            share = f" weight {source['weight']:g}, {source['read']:,} of {source['available']:,} rows,"
+            if source.get("available") is None:  # data.mix_strategy: concat takes every row, uncounted
+                share = f" {source['read']:,} rows (concatenated),"
+            else:
+                share = f" weight {source['weight']:g}, {source['read']:,} of {source['available']:,} rows,"
         reasoning = ""
         if source.get("reasoning_turns"):
             reasoning = f", {source['reasoning_turns']} assistant turns with reasoning"

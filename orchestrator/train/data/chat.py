@@ -333,14 +333,17 @@ def example_plan(
         examples.append((text, spans))
     if train_on_eos == "turn" or not eos:
         return examples
-    return [(text, _eos_spans(text, spans, eos, train_on_eos)) for text, spans in examples]
+    last = len(examples) - 1
+    return [(text, _eos_spans(text, spans, eos, train_on_eos, n == last)) for n, (text, spans) in enumerate(examples)]
 
 
-def _eos_spans(text: str, spans: Spans, eos: str, train_on_eos: str) -> Spans:
-    """axolotl's train_on_eos: none (no turn's end token), last (the last turn's only), all (every one)."""
+def _eos_spans(text: str, spans: Spans, eos: str, train_on_eos: str, last_example: bool) -> Spans:
+    """axolotl's train_on_eos: none (no turn's end token), last (the row's last trained turn's only; a row
+    split per turn has it in its last example), all (every end token of the text, trained turn or not)."""
     out: Spans = []
     for number, (start, end, turn) in enumerate(spans):
-        keep = train_on_eos == "all" or (train_on_eos == "last" and number == len(spans) - 1)
+        is_last = last_example and number == len(spans) - 1
+        keep = train_on_eos == "all" or (train_on_eos == "last" and is_last)
         cut = text.rfind(eos, start, end)
         out.append((start, cut if cut > start and not keep else end, turn))
     if train_on_eos == "all":  # the end tokens of the turns not trained (the prompt's, the user's) too

@@ -236,3 +236,24 @@ def test_convert_refuses_a_dzctl_job_naming_the_file():
     result = CliRunner().invoke(main, ["convert", str(ROOT / "jobs" / "tiny-cpu.yaml")])
     assert result.exit_code == 2
     assert "tiny-cpu.yaml: not a LLaMA-Factory or axolotl training YAML" in result.output
+
+
+# --- preference training: onto issue 44's train keys -------------------------------------------------
+
+
+def test_llamafactory_dpo_and_axolotl_rl_keys_become_train_stage_and_pref_keys(tmp_path):
+    lf = tmp_path / "dpo.yaml"
+    lf.write_text(
+        LF_LORA.read_text()
+        .replace("stage: sft", "stage: dpo\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0.5")
+        .replace("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")
+    )
+    train = load_job(lf, CPU_SETS).spec.train
+    assert (train.stage, train.pref_loss, train.pref_beta, train.pref_ftx) == ("dpo", "ipo", 0.2, 0.5)
+    ax = tmp_path / "rl.yaml"
+    ax.write_text(AXOLOTL.read_text().replace("adapter: lora", "rl: orpo\nrl_beta: 0.3\nadapter: lora"))
+    train = load_job(ax, (*CPU_SETS, "train.eval_steps=2")).spec.train
+    assert (train.stage, train.pref_loss, train.pref_beta) == ("dpo", "orpo", 0.3)
+    sft = _conversion(LF_LORA)
+    assert "stage" not in sft.data["train"]  # stage: sft is dzctl's default, named in the table only
+    assert next(r for r in sft.rows if r.key == "stage").target == "train.stage"

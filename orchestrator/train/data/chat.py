@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from ...planning.chattemplate import AUTO, ChatTemplate
@@ -234,9 +235,7 @@ def renderings(
 def _turns_of(row: Any) -> Any:
     """A row as ``encode_rows`` reads it: a ``Conversation``, or the older ``(messages, reasoning)`` pair."""
     if isinstance(row, tuple):
-        from .conversations import Conversation
-
-        return Conversation(tuple(row[0]), "", tuple(row[1]))
+        return SimpleNamespace(messages=tuple(row[0]), reasoning=tuple(row[1]))  # read with getattr defaults
     return row
 
 

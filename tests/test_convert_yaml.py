@@ -257,3 +257,19 @@ def test_llamafactory_dpo_and_axolotl_rl_keys_become_train_stage_and_pref_keys(t
     sft = _conversion(LF_LORA)
     assert "stage" not in sft.data["train"]  # stage: sft is dzctl's default, named in the table only
     assert next(r for r in sft.rows if r.key == "stage").target == "train.stage"
+
+
+def test_a_template_whose_prompt_is_not_the_models_own_is_refused_until_data_template_is_set(tmp_path):
+    # LLaMA-Factory's qwen template adds Qwen2.5's default system prompt; Qwen3's own template does not.
+    job = tmp_path / "lf.yaml"
+    job.write_text(
+        LF_LORA.read_text()
+        .replace("template: qwen3_nothink", "template: qwen")
+        .replace("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")
+    )
+    with pytest.raises(SpecError) as refused:
+        load_job(job, CPU_SETS)
+    assert f"{job}:{_line_of(job, 'template')}: template: qwen adds Qwen2.5's system prompt" in refused.value.message
+    assert load_job(job, (*CPU_SETS, "data.template=chatml")).spec.data.template == "chatml"
+    job.write_text(job.read_text().replace("Qwen/Qwen3-4B", "Qwen/Qwen2.5-7B-Instruct"))
+    assert load_job(job, CPU_SETS).spec.data.template == "auto"  # Qwen2.5's own template has that prompt

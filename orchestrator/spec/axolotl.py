@@ -30,7 +30,9 @@ from .keymap import (
 
 TOOL = "axolotl"
 # axolotl's chat_template names that are the model's own template (data.template: auto).
-OWN_TEMPLATES = frozenset({"tokenizer_default", "qwen3", "qwen_25", "llama3", "llama4", "mistral", "gemma3", "phi_4"})
+# Others (llama3, mistral, gemma3...) are axolotl's copies of those families' templates, which may differ from
+# the model's own version: refused unless data.template is set.
+OWN_TEMPLATES = frozenset({"tokenizer_default", "qwen3"})
 # PEFT's default target_modules for Qwen and Llama models, what axolotl's LoRA trains without targets.
 PEFT_DEFAULT_TARGETS = ["q_proj", "v_proj"]
 # Plugins that replace the loss or kernels with the same math: dzctl fuses the loss itself.

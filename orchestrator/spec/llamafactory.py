@@ -31,22 +31,13 @@ from .keymap import (
 TOOL = "LLaMA-Factory"
 
 # LLaMA-Factory's template names whose prompt is the model's own chat template, which dzctl renders
-# (data.template: auto, the tokenizer's own); the value: data.enable_thinking to pass with it.
-OWN_TEMPLATES: dict[str, bool | None] = {
-    "qwen3": None,
-    "qwen3_nothink": False,
-    "qwen": None,
-    "qwen2_vl": None,
-    "llama3": None,
-    "llama4": None,
-    "mistral": None,
-    "gemma": None,
-    "gemma3": None,
-    "deepseek3": None,
-    "deepseekr1": None,
-    "glm4": None,
-    "phi4": None,
-}
+# (data.template: auto, the tokenizer's own); the value: data.enable_thinking to pass with it. Others
+# differ from the model's own in ways a table cannot promise away (``llama3`` leaves out Llama 3.1's
+# date block, ``qwen`` adds Qwen2.5's default system prompt): they are refused unless data.template is set.
+OWN_TEMPLATES: dict[str, bool | None] = {"qwen3": None, "qwen3_nothink": False}
+# ``qwen`` adds "You are Qwen, created by Alibaba Cloud. ..." to rows without a system turn: so does
+# Qwen2.5's own template, and Qwen3's does not.
+QWEN25_ONLY = "qwen"
 BUILTIN_TEMPLATES = {"chatml": "chatml", "empty": "plain"}
 
 
@@ -135,6 +126,16 @@ def _template(b: Builder, key: str, value: Any) -> None:
     name = str(value)
     if name in BUILTIN_TEMPLATES:
         b.map(key, "data.template", BUILTIN_TEMPLATES[name])
+    elif name == QWEN25_ONLY and "qwen2.5" in str(b.value("model_name_or_path")).lower():
+        b.map(key, "data.template", "auto", "qwen: Qwen2.5's own chat template, with its default system prompt")
+    elif name == QWEN25_ONLY:
+        b.refuse(
+            key,
+            "qwen adds Qwen2.5's system prompt (You are Qwen, created by Alibaba Cloud...) to rows without one, and "
+            "this model's own template may not (Qwen3's does not): set data.template (auto: the model's own; "
+            "or a Jinja file)",
+            lifted_by="data.template",
+        )
     elif name in OWN_TEMPLATES:
         b.map(key, "data.template", "auto", f"{name}: the model's own chat template, which dzctl renders")
         thinking = OWN_TEMPLATES[name]

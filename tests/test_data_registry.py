@@ -128,3 +128,15 @@ def test_registry_entries_dzctl_cannot_honour_are_refused_by_name(tmp_path, name
     with pytest.raises(InputError) as caught:
         load_job(_job(tmp_path, {"dataset_info": "llamafactory-data", "dataset": names}))
     assert words in caught.value.message and "job.yaml" in caught.value.message
+
+
+def test_interleave_probs_weigh_data_sources_too_and_text_jobs_pack_on_cpu(tmp_path):
+    from orchestrator.planning.packing import resolve_packing
+
+    sources = [{"path": "a.jsonl"}, {"path": "b.jsonl"}]
+    mixed = load_job(_job(tmp_path, {"sources": sources, "mix_strategy": "interleave_under",
+                                     "interleave_probs": [0.2, 0.8]}))  # fmt: skip
+    assert [s.weight for s in mixed.spec.data.all_sources()] == [0.2, 0.8] and mixed.spec.data.mix == "interleave_under"
+    assert resolve_packing(mixed.spec) is False  # the tiny CPU job: packing auto is off on CPU...
+    text = load_job(_job(tmp_path, {"path": "c4.jsonl", "format": "text"}))
+    assert resolve_packing(text.spec) is True  # ... but continued pretraining packs its documents

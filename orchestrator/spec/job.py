@@ -329,15 +329,18 @@ class DataSpec(TurnTraining):
                     **{key: getattr(self, key) for key in inherited},
                 )
             ]
+        # data.interleave_probs are the sources' shares of an interleave (LLaMA-Factory's), in their order.
+        probs = self.interleave_probs or [s.weight for s in self.sources]
         return [
             s.model_copy(
                 update={
                     "format": s.format or self.format,
                     "columns": dict(self.columns if s.columns is None else s.columns),
+                    "weight": weight,
                     **{key: getattr(self, key) for key in inherited if getattr(s, key) is None},
                 }
             )
-            for s in self.sources
+            for s, weight in zip(self.sources, probs, strict=True)
         ]
 
     @property
@@ -459,8 +462,10 @@ class TrainSpec(_Strict):
 
     @model_validator(mode="after")
     def _preference_keys_fit_the_stage(self) -> TrainSpec:
-        # A key of another stage would be read by nothing: refused, naming the stage that reads it.
-        given = self.model_fields_set
+        # A key of another stage would be read by nothing: refused, naming the stage that reads it. At its
+        # default it changes nothing, and the job.yaml `dzctl launch` ships writes every key out.
+        fields = type(self).model_fields
+        given = {key for key in self.model_fields_set if getattr(self, key) != fields[key].default}
         readers = {
             "pref_loss": ("dpo",),
             "pref_ftx": ("dpo",),

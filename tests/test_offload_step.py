@@ -121,3 +121,16 @@ def test_the_step_time_choice_keeps_the_packed_rows_estimate(tmp_path):
         assert result.exit_code == 0, result.output
         peaks.append(json.loads(result.output)["per_gpu_gib"])
     assert peaks[0] == peaks[1]
+
+
+def test_an_override_of_the_offload_section_without_a_device_leaves_the_offload_to_the_planner(tmp_path):
+    """DeepSpeed's partial offload (``offload_optimizer: {ratio: 0.9}``) tunes an offload, it does not turn it off.
+
+    The override is merged onto the config dzctl writes, which names the device when the planner offloads;
+    read alone, a section without ``device`` says "none", and the planner planned this job without offload,
+    which does not fit 40 GB.
+    """
+    override = "zero.overrides={zero_optimization: {offload_optimizer: {ratio: 0.9}}}"
+    planned = _plan_json(tmp_path, "--set", override)
+    assert planned["zero"]["offload_optimizer"] is True
+    assert planned["fits"] is True

@@ -51,9 +51,11 @@ def allowed_from(inputs: JobInputs) -> Allowed:
     user = inputs.user_ds_config
     fixed = merge(user or {}, spec.zero.overrides)
     zero = fixed.get("zero_optimization")
-    # A hand-written config (or override) that says where states live decides offload:
-    # the planner must estimate what DeepSpeed will actually do.
-    if user is not None or (isinstance(zero, dict) and ({"offload_optimizer", "offload_param"} & set(zero))):
+    # A hand-written config (or an override naming a device) that says where states live decides
+    # offload: the planner must estimate what DeepSpeed will actually do. An override section without
+    # a device (``offload_optimizer: {ratio: 0.9}``, DeepSpeed's partial offload) tunes the offload
+    # the planner chooses: it is merged onto dzctl's section, which names the device when it offloads.
+    if user is not None or _names_a_device(zero):
         opt, par = offload_of(fixed)
         param_device = (zero or {}).get("offload_param") if isinstance(zero, dict) else None
         if isinstance(param_device, dict) and param_device.get("device") == "nvme":
@@ -68,6 +70,15 @@ def allowed_from(inputs: JobInputs) -> Allowed:
         gradient_checkpointing=ckpt,
         offload=offload,
         nvme=spec.zero.nvme_path is not None,
+    )
+
+
+def _names_a_device(zero: Any) -> bool:
+    """True when an override's ``zero_optimization`` puts a state somewhere (``device`` in an offload section)."""
+    if not isinstance(zero, dict):
+        return False
+    return any(
+        isinstance(zero.get(name), dict) and "device" in zero[name] for name in ("offload_optimizer", "offload_param")
     )
 
 

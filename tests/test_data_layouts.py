@@ -140,3 +140,30 @@ def test_roles_to_train_and_train_on_eos(qwen3):
     ids, labels = every[-1]
     end = qwen3.convert_tokens_to_ids("<|im_end|>")
     assert all(label == end for token, label in zip(ids, labels, strict=True) if token == end)
+
+
+def test_the_node_builder_packs_text_rows_every_token_trained_and_names_ignored_columns(tmp_path, qwen3):
+    import json
+
+    from orchestrator.spec.job import DataSource
+    from orchestrator.train.data.build import BuildSettings, build
+    from orchestrator.train.data.cache import write_manifest
+    from orchestrator.train.data.mapped import MappedData
+    from orchestrator.train.data.sources import Source
+    from orchestrator.train.datasets import data_summary
+
+    rows = [{"text": f"Document {n}: " + "plain words " * (5 + 10 * n), "meta": {"url": "x"}} for n in range(4)]
+    path = tmp_path / "c4.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    source = Source(0, DataSource(path=str(path), format="text", columns={}), str(path), "json")
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    result = build([source], qwen3, BuildSettings(64, True, 0, "fail"), folder, print, lambda _: None, workers=1)
+    write_manifest(folder, result.files, result.info)
+    data = MappedData(folder)
+    items = [data.example(n) for n in range(result.info["examples"])]
+    expected = sum(len(qwen3(r["text"] + "<|im_end|>", add_special_tokens=False)["input_ids"]) for r in rows)
+    assert sum(len(item["input_ids"]) for item in items) == expected == result.info["tokens"]  # none lost
+    assert all(item["labels"] == item["input_ids"] for item in items)  # every token trained
+    assert result.info["rows"] < result.info["examples"]  # packed
+    assert "ignored: meta" in data_summary(result.info, 64, packed=True)[0]

@@ -144,3 +144,30 @@ def test_a_template_without_tools_refuses_a_tool_row_naming_it():
     plain = make_renderer(tokenizer, ChatTemplate("plain", None))
     with pytest.raises(DataError, match="renders none"):
         encode(Conversation.of(read, "t.jsonl:row 4"), tokenizer, 4096, plain)
+
+
+def test_the_node_builder_caches_both_layouts_with_the_calls_trained(tmp_path, qwen3):
+    from orchestrator.spec.job import DataSource
+    from orchestrator.train.data.build import BuildSettings, build
+    from orchestrator.train.data.cache import write_manifest
+    from orchestrator.train.data.mapped import MappedData
+    from orchestrator.train.data.sources import Source
+
+    found = []
+    for index, (row, fmt) in enumerate(((OPENAI_ROW, "messages"), (SHAREGPT_ROW, "sharegpt"))):
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        found.append(Source(index, DataSource(path=str(path), format=fmt, columns={}), str(path), "json"))
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    settings = BuildSettings(4096, False, 0, "fail", mix="concat")
+    result = build(found, qwen3, settings, folder, lambda _: None, lambda _: None, workers=1)
+    assert [(s["examples"], s["tool_rows"], s["ignored"]) for s in result.info["sources"]] == [(2, 1, []), (2, 1, [])]
+    write_manifest(folder, result.files, result.info)
+    data = MappedData(folder)
+    items = [data.item(n) for n in range(4)]
+    assert [item["input_ids"] for item in items[:2]] == [item["input_ids"] for item in items[2:]]
+    call = [t for t, label in zip(items[0]["input_ids"], items[0]["labels"], strict=True) if label != IGNORE]
+    assert "<tool_call>" in qwen3.decode(call) and "<tools>" in qwen3.decode(items[0]["input_ids"])
+    answer = [t for t, label in zip(items[1]["input_ids"], items[1]["labels"], strict=True) if label != IGNORE]
+    assert "<tool_response>" not in qwen3.decode(answer) and ANSWER in qwen3.decode(answer)

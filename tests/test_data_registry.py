@@ -140,3 +140,12 @@ def test_interleave_probs_weigh_data_sources_too_and_text_jobs_pack_on_cpu(tmp_p
     assert resolve_packing(mixed.spec) is False  # the tiny CPU job: packing auto is off on CPU...
     text = load_job(_job(tmp_path, {"path": "c4.jsonl", "format": "text"}))
     assert resolve_packing(text.spec) is True  # ... but continued pretraining packs its documents
+
+
+def test_data_tags_and_turn_keys_read_the_eval_rows_as_the_training_rows(tmp_path):
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    data = {"path": "a.jsonl", "format": "sharegpt", "tags": tags, "roles_to_train": ["user", "assistant"]}
+    loaded = load_job(_job(tmp_path, {**data, "eval": {"path": "e.jsonl"}}))
+    (train,), (held,) = loaded.spec.data.all_sources(), loaded.spec.data.eval_sources()
+    assert train.tags == held.tags and held.tags.role_tag == "role"
+    assert train.roles_to_train == held.roles_to_train == ["user", "assistant"]

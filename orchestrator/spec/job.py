@@ -300,16 +300,29 @@ class DataSpec(TurnTraining):
             return []
         fmt = held.format or self.format
         columns = dict(self.columns if held.columns is None else held.columns)
+        # data.tags and the per-turn training keys read the eval rows as they read the training rows.
+        reading = {
+            key: getattr(self, key) for key in ("tags", "roles_to_train", "train_on_eos", "message_field_training")
+        }
         if held.sources is None:
             assert held.path is not None
             return [
                 DataSource(
-                    path=held.path, format=fmt, columns=columns, max_rows=held.max_rows, shipped_from=held.shipped_from
+                    path=held.path,
+                    format=fmt,
+                    columns=columns,
+                    max_rows=held.max_rows,
+                    shipped_from=held.shipped_from,
+                    **reading,
                 )
             ]
         return [
             s.model_copy(
-                update={"format": s.format or fmt, "columns": dict(columns if s.columns is None else s.columns)}
+                update={
+                    "format": s.format or fmt,
+                    "columns": dict(columns if s.columns is None else s.columns),
+                    **{key: value for key, value in reading.items() if getattr(s, key) is None},
+                }
             )
             for s in held.sources
         ]

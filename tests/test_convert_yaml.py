@@ -273,3 +273,11 @@ def test_a_template_whose_prompt_is_not_the_models_own_is_refused_until_data_tem
     assert load_job(job, (*CPU_SETS, "data.template=chatml")).spec.data.template == "chatml"
     job.write_text(job.read_text().replace("Qwen/Qwen3-4B", "Qwen/Qwen2.5-7B-Instruct"))
     assert load_job(job, CPU_SETS).spec.data.template == "auto"  # Qwen2.5's own template has that prompt
+
+
+def test_max_samples_truncates_each_registry_dataset_as_in_llamafactory(tmp_path):
+    job = tmp_path / "lf.yaml"
+    job.write_text(
+        LF_FULL.read_text().replace("max_samples: 1000", "max_samples: 5") + f"dataset_dir: {FIXTURES / 'data'}\n"
+    )
+    assert [s.max_rows for s in load_job(job, CPU_SETS).spec.data.all_sources()] == [5, 5]

@@ -105,6 +105,9 @@ def expand(data: dict[str, Any], job_folder: Path, where: str) -> dict[str, Any]
             )
     for source in sources:
         source.pop("_name", None)
+        # data.max_rows is LLaMA-Factory's max_samples: the first N rows of each dataset, not of the mix.
+        if data.get("max_rows") and "max_rows" not in source:
+            source["max_rows"] = data["max_rows"]
     out = {k: v for k, v in data.items() if k not in ("dataset", "dataset_info", "path", "_format_given")}
     out["sources"] = sources
     out["mix_strategy"] = data.get("mix_strategy") or "concat"

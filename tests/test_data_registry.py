@@ -149,3 +149,30 @@ def test_data_tags_and_turn_keys_read_the_eval_rows_as_the_training_rows(tmp_pat
     (train,), (held,) = loaded.spec.data.all_sources(), loaded.spec.data.eval_sources()
     assert train.tags == held.tags and held.tags.role_tag == "role"
     assert train.roles_to_train == held.roles_to_train == ["user", "assistant"]
+
+
+def test_an_openai_formatting_entry_trains_tool_calls_as_the_messages_format_does(tmp_path, qwen3):
+    from test_data_toolcalls import OPENAI_ROW
+
+    from orchestrator.planning.datarows import read_row
+    from orchestrator.train.data.chat import make_renderer
+    from orchestrator.train.data.conversations import Conversation, encode_all
+
+    folder = tmp_path / "agent-data"
+    folder.mkdir()
+    entry = {"file_name": "agent.jsonl", "formatting": "openai", "columns": {"messages": "messages", "tools": "tools"}}
+    (folder / "dataset_info.json").write_text(json.dumps({"agent": entry}), encoding="utf-8")
+    (folder / "agent.jsonl").write_text(json.dumps(OPENAI_ROW) + "\n", encoding="utf-8")
+    loaded = load_job(_job(tmp_path, {"dataset_info": "agent-data", "dataset": "agent"}))
+    (source,) = loaded.spec.data.all_sources()
+    assert (source.format, source.tags.observation_tag) == ("sharegpt", "tool")
+    result, _, _ = _build(tmp_path, loaded, qwen3)
+    assert result.info["sources"][0]["tool_rows"] == 1 and result.info["sources"][0]["examples"] == 2
+    from orchestrator.train.data.cache import write_manifest
+    from orchestrator.train.data.mapped import MappedData
+
+    write_manifest(tmp_path / "cache", result.files, result.info)
+    mapped = MappedData(tmp_path / "cache")
+    reference = Conversation.of(read_row(OPENAI_ROW, "messages", "row"), "row")
+    expected = encode_all([reference], qwen3, 256, make_renderer(qwen3)).examples
+    assert [mapped.item(n) for n in range(2)] == expected

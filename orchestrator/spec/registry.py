@@ -7,7 +7,8 @@ with LLaMA-Factory's meaning of the entry's keys:
 
 - ``file_name``: a file, or a folder of data files, relative to the registry's folder;
   ``hf_hub_url`` (with ``split``): ``hf:NAME:SPLIT``, read from the nodes' Hugging Face cache;
-- ``formatting``: ``alpaca`` (default) or ``sharegpt``; ``columns`` renames the fields
+- ``formatting``: ``alpaca`` (default), ``sharegpt`` or ``openai`` (sharegpt with OpenAI's role
+  and key names, an assistant turn's ``tool_calls`` read too); ``columns`` renames the fields
   (alpaca: prompt, query, response, history, system; sharegpt: messages, system, tools);
   ``tags``: sharegpt's role and text keys and role names (``data.tags``);
 - ``ranking: true`` (chosen / rejected answers) and ``columns.kto_tag`` set those columns
@@ -50,6 +51,8 @@ ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output
                   "system": "system"}  # fmt: skip
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "tools": "tools"}
 PREFERENCE_COLUMNS = ("chosen", "rejected", "kto_tag")
+OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"}  # fmt: skip
 
 
 def registry_path(value: str, job_folder: Path) -> Path:
@@ -126,8 +129,14 @@ def _entry_sources(
         if key not in KNOWN_KEYS:
             raise SpecError(f"{at}: unknown key {key!r} (read: {', '.join(sorted(KNOWN_KEYS))})")
     formatting = entry.get("formatting", "alpaca")
-    if formatting not in ("alpaca", "sharegpt"):
-        raise SpecError(f"{at}: formatting {formatting!r}: LLaMA-Factory's are alpaca and sharegpt")
+    if formatting not in ("alpaca", "sharegpt", "openai"):
+        raise SpecError(f"{at}: formatting {formatting!r}: LLaMA-Factory's are alpaca, sharegpt and openai")
+    openai = formatting == "openai"
+    if openai:
+        # LLaMA-Factory's openai formatting is sharegpt's reader with OpenAI's names (and tool_calls turns).
+        formatting = "sharegpt"
+        entry = {**entry, "tags": {**OPENAI_TAGS, **(entry.get("tags") or {})}}
+        entry["columns"] = {"messages": "messages", **(entry.get("columns") or {})}
     columns_in = entry.get("columns") or {}
     if not isinstance(columns_in, dict):
         raise SpecError(f"{at}: columns must be a mapping")

@@ -20,7 +20,7 @@ from ..speed.offload import HostOptimizer
 from ..speed.steptime import GpuKind
 from ..speed.usersettings import user_zero_settings
 from ..speed.zerochoice import choose_zero
-from . import globalbatch
+from . import globalbatch, preference
 from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
@@ -203,7 +203,8 @@ def plan_for_job(
         return plan_memory(
             inputs.shape,
             allowed=allowed,
-            seq_len=spec.train.max_seq_len,
+            # train.stage dpo | kto: two sequences a row (memory/preference.py)
+            seq_len=preference.planned_seq_len(spec.train.stage, spec.train.max_seq_len),
             precision=precision,
             gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
             hardware=hardware,
@@ -213,9 +214,15 @@ def plan_for_job(
             nvme_path=spec.zero.nvme_path,
             packed=inputs.packing and spec.accelerator == "gpu",
             fetch_unit=spec.zero.fetch_unit,
+            gpu_kind=speed.gpu.name if speed is not None and speed.gpu is not None else None,
         )
 
     plan = planned(spec.train.method == "lora")
+    reference = None
+    if plan.fits and spec.train.stage != "sft":  # the reference copy, where it fits beside the plan
+        plan, reference = preference.with_reference(
+            plan, spec.train, inputs.shape.total_params, lambda hw: planned(spec.train.method == "lora", allowed, hw)
+        )
     if plan.fits and calibration is not None:
         plan = _calibrated(plan, inputs, calibration, allowed, precision, planned)
     if batch is not None:
@@ -264,7 +271,7 @@ def plan_for_job(
                 }
             )
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
-    return plan, ds_config
+    return plan, preference.with_reference_key(ds_config, reference)
 
 
 def calibration_for(

@@ -327,13 +327,18 @@ class Allowed:
 
 
 def expected_cost_per_token(
-    choice: Choice, seq_len: int, num_layers: int, method: str = "full", fetch_unit: str = "module"
+    choice: Choice,
+    seq_len: int,
+    num_layers: int,
+    method: str = "full",
+    fetch_unit: str = "module",
+    gpu_kind: str | None = None,
 ) -> float:
-    """Relative time per token (lower is faster); ranks candidates of one offload level (speed/recompute.py)."""
+    """Relative time per token (lower is faster); ranks candidates of one offload level (speed/recompute.py),
+    by the constants of ``gpu_kind`` where it has its own."""
     checkpointed = choice.layers_checkpointed(num_layers)
-    return recompute.cost_per_token(
-        choice.micro_batch_size, seq_len, checkpointed, num_layers, recompute.costs_for(method, fetch_unit)
-    )
+    costs = recompute.costs_for(method, fetch_unit, gpu_kind)
+    return recompute.cost_per_token(choice.micro_batch_size, seq_len, checkpointed, num_layers, costs)
 
 
 def plan_memory(
@@ -350,6 +355,7 @@ def plan_memory(
     nvme_path: str | None = None,
     packed: bool = False,
     fetch_unit: str = "module",  # zero.fetch_unit as the spec has it (auto: resolved per candidate)
+    gpu_kind: str | None = None,  # the nodes' GPU kind (steptime.GPU_KINDS' name): whose recompute costs rank
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -405,7 +411,7 @@ def plan_memory(
                     hi, est = mid, est_mid
                 else:
                     lo = mid + 1
-            cost = expected_cost_per_token(est.choice, seq_len, layers, method, unit_of(est))
+            cost = expected_cost_per_token(est.choice, seq_len, layers, method, unit_of(est), gpu_kind)
             ranked.append((cost, est.choice))
             if best is None or cost < best[0]:
                 best = (cost, est)

@@ -33,6 +33,13 @@ the grid of ``benchmarks/results/fetchunit2-h200x1-20261204/recompute-lora-grid-
 (36 layers, micro 2 to 8, N = 0, 6, 14, 36; 14 points, worst within 5.6 %): rho 0.61, C 6,720. Its
 micro 2 steps take 0.81-1.13 s against 2.0-3.0 s by module: the floor is gone, and micro 4 without
 checkpointing (1.22 s, 13,455 tokens/s) outruns micro 8 with 14 of 36 layers recomputed (2.70 s, 12,143).
+
+The constants are the GPU kind's own where one was measured (``BY_KIND``), else the H200's above. On one
+H100 80GB the same LoRA grid by layer (``benchmarks/results/plans-h100x1-20261207/``, 7 points that fit
+of micro 2-16 x N = 0, 18, 36; worst within 6.1 %) gives rho 0.37, C 2,030: a third of the H200's fixed
+cost in token-times, so small micro-batches without recomputation win there. With the H200's constants
+the planner chose micro 16 with 33 of 36 layers recomputed on the H100, the slowest of four launches
+(9,799 tokens/s against 12,459 for micro 2 without recomputation, issue 42's table).
 """
 
 from __future__ import annotations
@@ -54,8 +61,19 @@ LORA = StepCosts(rho=0.30, fixed_tokens=5380.0, floor_tokens=28000.0)  # hooks o
 LORA_BY_LAYER = StepCosts(rho=0.61, fixed_tokens=6720.0, floor_tokens=0.0)  # zero.fetch_unit: layer
 
 
-def costs_for(method: str, fetch_unit: str = "module") -> StepCosts:
-    """The constants of a method and ZeRO-3 fetch unit (full fine-tuning has one set: its unit is module)."""
+# (GPU kind, method, fetch unit) -> the constants measured on that kind; others take the H200's.
+BY_KIND: dict[tuple[str, str, str], StepCosts] = {
+    ("H100", "lora", "layer"): StepCosts(rho=0.37, fixed_tokens=2030.0, floor_tokens=0.0),
+}
+
+
+def costs_for(method: str, fetch_unit: str = "module", gpu_kind: str | None = None) -> StepCosts:
+    """The constants of a method and ZeRO-3 fetch unit (full fine-tuning has one set: its unit is module),
+    on ``gpu_kind`` where that kind has its own (``BY_KIND``)."""
+    unit = fetch_unit if method == "lora" else "module"
+    measured = BY_KIND.get((gpu_kind or "", method if method == "lora" else "full", unit))
+    if measured is not None:
+        return measured
     if method != "lora":
         return FULL
     return LORA_BY_LAYER if fetch_unit == "layer" else LORA

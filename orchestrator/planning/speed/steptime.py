@@ -197,7 +197,8 @@ def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) ->
     where = f"measured ({kind.name}, loss {loss_path}: {point.source})"
     if point.micro_batch_size is None or plan.micro_batch_size is None:
         return point.mfu, where
-    costs = recompute.costs_for(point.method, point.fetch_unit)
+    # The point's MFU carried to this kind (H100: the same die), scaled by this kind's own recompute costs.
+    costs = recompute.costs_for(point.method, point.fetch_unit, kind.name)
     at_point = recompute.cost_per_token(
         point.micro_batch_size, point.seq_len, point.checkpointed, point.num_layers, costs
     )

@@ -1,0 +1,53 @@
+"""The planner ranks candidates by the recompute costs of the nodes' GPU kind (issue 42).
+
+The H100's LoRA constants (``planning/speed/recompute.py::BY_KIND``) are the fit of one grid measured on an
+H100 by ``benchmarks/recompute_h200.py --lora`` (random full rows, one process: the fit set,
+``benchmarks/results/plans-h100x1-20261207/``). The launches they are checked against are other runs: issue
+42's four H100 launches through ``dzctl launch`` on SFT rows (micro 2 without recomputation fastest at
+12,459 tokens/s, the H200 constants' choice of micro 16 with 33 of 36 recomputed slowest at 9,799) and this
+session's auto launch (same folder). Here: which plan each kind gets, pure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from orchestrator.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _plan(tmp_path: Path, kind: str, gpu_mem_gib: int) -> dict:
+    from zero3_h200 import MODELS
+
+    spec = {
+        "name": "lora-by-kind",
+        "runtime": "process",
+        "model": {"name_or_path": "qwen3-8b-shape", "init": "random", "config": dict(MODELS["qwen3-8b"])},
+        "data": {"path": str(ROOT / "jobs/data/tiny-alpaca-zh.jsonl"), "format": "alpaca"},
+        "train": {"method": "lora", "max_seq_len": 4096, "global_batch_size": 32, "save": False},
+    }
+    job, hosts = tmp_path / f"job-{kind}.yaml", tmp_path / "hosts.txt"
+    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    hosts.write_text("localhost slots=1\n", encoding="utf-8")
+    args = ["plan", str(job), "--hosts", str(hosts), "--gpu-mem-gib", str(gpu_mem_gib), "--host-mem-gib", "125"]
+    result = CliRunner().invoke(main, [*args, "--gpu-kind", kind, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize(
+    ("kind", "gpu_mem_gib", "micro", "checkpointed"),
+    [("H100", 80, 2, 0), ("H200", 140, 4, 0)],
+)
+def test_lora_auto_takes_the_plan_its_gpu_kinds_costs_rank_first(tmp_path, kind, gpu_mem_gib, micro, checkpointed):
+    plan = _plan(tmp_path, kind, gpu_mem_gib)
+    assert (plan["micro_batch_size"], plan["checkpointed_layers"]) == (micro, checkpointed), plan
+    assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == 32

@@ -64,6 +64,7 @@ EXTENDED = {
     "tests/test_preference_train.py::test_orpo_and_simpo_run_ten_steps_with_their_metrics[orpo-log_odds_ratio]",
     "tests/test_preference_train.py::test_orpo_and_simpo_run_ten_steps_with_their_metrics[simpo-reward_margin]",
     "tests/test_preference_train.py::test_a_dpo_run_stopped_and_resumed_gives_the_same_losses",
+    "tests/test_preference_train.py::test_precomputed_reference_log_probs_give_the_frozen_copys_losses",
 }
 
 

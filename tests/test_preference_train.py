@@ -42,11 +42,11 @@ def _job(folder: Path, data: str, fmt: str, **train: str) -> Path:
     return job
 
 
-def _train(job: Path, output: Path, *sets: str, record: Path | None = None, steps: int = 10):
+def _train(job: Path, output: Path, *sets: str, record: Path | None = None, steps: int = 10, ds: Path | None = None):
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     argv += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
     argv += [str(ROOT / "tests" / "preferencerank.py")] if record else ["-m", "orchestrator.train"]
-    argv += [str(job), "--output-dir", str(output)]
+    argv += [str(job), "--output-dir", str(output)] + (["--ds-config", str(ds)] if ds else [])
     for item in sets:
         argv += ["--set", item]
     env = _env()
@@ -156,3 +156,22 @@ def test_a_dpo_run_stopped_and_resumed_gives_the_same_losses(dpo_run, tmp_path):
     straight = {step["step"]: step["loss"] for step in _steps(uninterrupted)}
     for step in resumed:
         assert step["loss"] == pytest.approx(straight[step["step"]], abs=1e-6), step["step"]
+
+
+def test_precomputed_reference_log_probs_give_the_frozen_copys_losses(dpo_run, tmp_path):
+    # The plan's choice reaches the ranks in the DeepSpeed config it generates: here "precomputed", as the
+    # planner writes it where the copy does not fit beside the plan (test_preference_plan.py).
+    from orchestrator.planning.inputs import read_inputs
+    from orchestrator.planning.memory.fromjob import plan_for_job
+    from orchestrator.planning.memory.preference import REFERENCE_KEY
+    from orchestrator.spec.job import load_job
+
+    _, job, _, frozen = dpo_run
+    _, ds = plan_for_job(read_inputs(load_job(job)), [2], gpu_mem_gib=None, host_mem_gib=None)
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({**ds, REFERENCE_KEY: "precomputed"}), encoding="utf-8")
+    result, events = _train(job, tmp_path / "out", ds=config)
+    assert "reference: log-probs computed once before training (TRL's precompute_ref_log_probs)" in result.stdout
+    with_copy = {step["step"]: step["loss"] for step in _steps(frozen)}
+    for step in _steps(events):
+        assert step["loss"] == pytest.approx(with_copy[step["step"]], abs=1e-6), step["step"]

@@ -6,6 +6,7 @@ final status) into a line, or ``None`` when it has nothing to say.
 
 from __future__ import annotations
 
+from ..planning.preference import metrics as preference_metrics
 from .rankfailure import failure_lines
 from .watchstate import JobWatch, Message, format_duration, ranks_text
 
@@ -91,6 +92,8 @@ def event_line(event: dict, watch: JobWatch) -> str | None:
             parts.append(rate)
         if event.get("padding_efficiency") is not None:
             parts.append(f"pad-eff {event['padding_efficiency']:.0%}")
+        if preference_metrics.line_text(event):  # train.stage dpo | kto
+            parts.append(preference_metrics.line_text(event))
         if event.get("eta_s") is not None:
             parts.append(f"eta {format_duration(event['eta_s'])}")
         return "  ".join(parts)

@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from ..planning.preference import metrics as preference_metrics
 from ..runtimes.control import NodeState
 from .rankfailure import error_details
 
@@ -196,6 +197,9 @@ def parse_progress(
             "eval": eval_summary(last_eval),  # the last eval (None: none yet, or no eval data)
             "stopped_early": stopped_early,
         }
+        preference = preference_metrics.of_event(last_step)
+        if preference is not None:  # train.stage dpo | kto: rewards, reward accuracy and margin, KTO's KL
+            progress["preference"] = preference
     age = None if last_time is None else max(0.0, (now if now is not None else time.time()) - last_time)
     return progress, age, errors
 

@@ -688,7 +688,7 @@ def train(
     timeouts = PhaseTimeout(spec.stall.model_dump(), predicted_step_s(), ranks.rank)
     stacks.pulse().listen(timeouts.phase)
     # Before the model: registers ZeRO-3 for zero.Init.
-    reference = pref_stage.reference_for(loaded, config, ranks.world_size) if preference else None
+    reference = pref_stage.reference_for(loaded, config, ranks.world_size, settings.ds_config) if preference else None
     if reference is not None and ranks.rank == 0:
         print(f"dzctl-train: stage {pref_stage.describe(loaded, reference)}", flush=True)
     stage_arguments = pref_stage.arguments(loaded, reference, eval_dataset is not None) if reference else None
@@ -760,7 +760,9 @@ def train(
         if reference == "frozen-copy":
             hf_set_seed(spec.train.seed)  # random init: the copy's weights are the policy's first ones
             ref_model = build_model(loaded, config, settings.precision)
-        trainer = pref_stage.make_trainer(loaded, model, ref_model, args, dataset, eval_dataset, tokenizer, callbacks)
+        trainer = pref_stage.make_trainer(
+            loaded, DzTrainer, model, ref_model, args, dataset, eval_dataset, tokenizer, callbacks
+        )
     else:
         trainer = DzTrainer(
             model=model,

@@ -6,31 +6,14 @@ TRL trainer (``trainers.py``) and the progress keys of its metrics.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import torch
-
+from ...planning.memory.preference import REFERENCE_KEY
+from ...planning.preference.metrics import TRL_NAMES
 from ...planning.preference.reference import WORDS, Reference, choose_reference, copy_bytes_per_gpu
 from ...planning.shape import shape_from_config
 from ...spec.job import LoadedJob
 from . import encode, trainers
-
-# The plan's GPU peak per rank (bytes), where the launch gives it: the reference copy is chosen when it fits beside it.
-PLAN_PEAK_ENV = "DZCTL_PLAN_PEAK_BYTES"
-
-# TRL's metric names -> progress.jsonl keys (train: as they are; eval: with eval_ before them).
-METRICS = {
-    "rewards/chosen": "rewards_chosen",
-    "rewards/rejected": "rewards_rejected",
-    "rewards/accuracies": "reward_accuracy",
-    "rewards/margins": "reward_margin",
-    "kl": "kl",
-    "logps/chosen": "logps_chosen",
-    "logps/rejected": "logps_rejected",
-    "nll_loss": "nll_loss",
-    "log_odds_ratio": "log_odds_ratio",
-}
 
 
 def say(ranks, text: str) -> None:
@@ -53,19 +36,16 @@ def load_data(loaded: LoadedJob, tokenizer, ranks) -> tuple[Any, Any]:
     return trainers.as_dataset(train_rows, spec.train), trainers.as_dataset(held, spec.train)
 
 
-def reference_for(loaded: LoadedJob, config, world_size: int) -> Reference:
-    """Where this run's reference policy comes from (the planner's rule, with the plan's peak where given)."""
+def reference_for(loaded: LoadedJob, config, world_size: int, ds_config: dict[str, Any]) -> Reference:
+    """Where this run's reference policy comes from: the plan's choice (in the DeepSpeed config it generated),
+    else the planner's rule without the plan's peak (a hand-written zero.config, a trainer run by hand)."""
+    planned = ds_config.get(REFERENCE_KEY)
+    if planned in WORDS:
+        return planned
     train = loaded.spec.train
     params = shape_from_config(config.to_dict(), name=loaded.spec.model.name_or_path, source="config").total_params
-    peak = os.environ.get(PLAN_PEAK_ENV)
-    capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     return choose_reference(
-        train.stage,
-        train.pref_loss,
-        train.method,
-        copy_bytes=copy_bytes_per_gpu(params, world_size),
-        peak_bytes=int(peak) if peak and capacity else None,
-        capacity_bytes=capacity if peak else None,
+        train.stage, train.pref_loss, train.method, copy_bytes=copy_bytes_per_gpu(params, world_size)
     )
 
 
@@ -85,18 +65,20 @@ def arguments(loaded: LoadedJob, reference: Reference, with_eval: bool) -> tuple
 def progress_keys(logs: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """The preference metrics of one log (``prefix``: ``eval_`` for an evaluation's), under dzctl's names."""
     out = {}
-    for name, key in METRICS.items():
+    for name, key in TRL_NAMES.items():
         value = logs.get(prefix + name)
         if isinstance(value, (int, float)):
             out[prefix + key] = float(value)
     return out
 
 
-def make_trainer(loaded: LoadedJob, model, ref_model, args, dataset, eval_dataset, tokenizer, callbacks):
+def make_trainer(
+    loaded: LoadedJob, dz_trainer: type, model, ref_model, args, dataset, eval_dataset, tokenizer, callbacks
+):
     """The stage's TRL trainer under dzctl's (``trainers.trainer_class``); LoRA's reference adapter dropped."""
     train = loaded.spec.train
     extra = {"ref_model": ref_model} if train.stage == "kto" or train.pref_loss in ("sigmoid", "ipo") else {}
-    trainer = trainers.trainer_class(train)(
+    trainer = trainers.trainer_class(train, dz_trainer)(
         model=model,
         args=args,
         train_dataset=dataset,

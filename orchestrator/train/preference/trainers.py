@@ -9,7 +9,7 @@ Which TRL class trains what (TRL 1.16):
 - ``dpo`` with ``pref_loss: orpo``: ``trl.experimental.orpo.ORPOTrainer`` (``pref_beta`` is its lambda);
 - ``kto``: ``KTOTrainer`` (``kto_chosen_weight`` / ``kto_rejected_weight`` its desirable/undesirable weights).
 
-Each is mixed under ``run.DzTrainer`` (``DzTrainer`` first in the MRO), so checkpoints, markers,
+Each is mixed under ``run.DzTrainer`` (passed in; first in the MRO), so checkpoints, markers,
 rotation, LoRA's adapter saves, token counting and the stall pulse are SFT's. The rows arrive
 tokenized (``encode.py``: the chat template renders them as SFT's); each trainer's own
 tokenization is bypassed where it would tokenize again.
@@ -67,10 +67,8 @@ def config_class_and_fields(train: TrainSpec, reference: Reference) -> tuple[typ
     }
 
 
-def _dpo_class(base):
-    from ..run import DzTrainer
-
-    class DzDPOTrainer(DzTrainer, base):
+def _dpo_class(dz_trainer, base):
+    class DzDPOTrainer(dz_trainer, base):
         """DPO/KTO on rows tokenized by dzctl: TRL's own tokenization is left out."""
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
@@ -85,14 +83,45 @@ def _dpo_class(base):
                 dataset = dataset.map(add_kl, batched=True, batch_size=args.per_device_train_batch_size)
             return dataset
 
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            """TRL's pass (its loader, engine and gather), the values kept in memory on every rank.
+
+            TRL writes them from rank 0 into a cache file beside the dataset for the others to read; the
+            rows here are in memory (no shared folder: each rank's own temporary one), so every rank keeps
+            the gathered values itself.
+            """
+            import torch
+            from torch.utils.data import DataLoader
+            from trl.models import prepare_deepspeed
+
+            loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
+            loader = self.accelerator.prepare(loader)
+            if self.ref_model is None and self.is_deepspeed_enabled:
+                if self._precompute_engine is None:
+                    self._precompute_engine = prepare_deepspeed(self.model, self.accelerator)
+                model = self._precompute_engine
+            else:
+                model = self.ref_model or self.model
+            kto = "completion_ids" in dataset.column_names
+            names = ("ref_logps", "ref_KL_logps") if kto else ("ref_chosen_logps", "ref_rejected_logps")
+            values: tuple[list, list] = ([], [])
+            for batch in loader:
+                first, second = self.compute_ref_log_probs(model, batch)
+                pair = (first, second) if second is not None else (first,)
+                for store, value in zip(values, self.accelerator.gather_for_metrics(pair), strict=False):
+                    store.append(value.cpu())
+            for column, store in zip(names, values, strict=True):
+                if store:
+                    dataset = dataset.add_column(column, torch.cat(store).tolist())
+            return dataset
+
     return DzDPOTrainer
 
 
-def _paired_class(base):
+def _paired_class(dz_trainer, base):
     """CPO (SimPO) and ORPO tokenize each row in ``tokenize_row``: here from dzctl's ids."""
-    from ..run import DzTrainer
 
-    class DzPairedTrainer(DzTrainer, base):
+    class DzPairedTrainer(dz_trainer, base):
         def tokenize_row(self, feature, model=None):
             return paired_columns(feature)
 
@@ -111,22 +140,23 @@ def paired_columns(feature: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trainer_class(train: TrainSpec):
+def trainer_class(train: TrainSpec, dz_trainer: type):
+    """The stage's TRL trainer with ``dz_trainer`` (``run.DzTrainer``) before it in the MRO."""
     if train.stage == "kto":
         from trl import KTOTrainer
 
-        return _dpo_class(KTOTrainer)
+        return _dpo_class(dz_trainer, KTOTrainer)
     if train.pref_loss == "simpo":
         from trl.experimental.cpo import CPOTrainer
 
-        return _paired_class(CPOTrainer)
+        return _paired_class(dz_trainer, CPOTrainer)
     if train.pref_loss == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 
-        return _paired_class(ORPOTrainer)
+        return _paired_class(dz_trainer, ORPOTrainer)
     from trl import DPOTrainer
 
-    return _dpo_class(DPOTrainer)
+    return _dpo_class(dz_trainer, DPOTrainer)
 
 
 def as_dataset(examples: list[dict[str, Any]] | None, train: TrainSpec) -> Dataset | None:

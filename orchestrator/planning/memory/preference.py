@@ -1,0 +1,62 @@
+"""What ``train.stage: dpo | kto`` adds to the memory plan, and the reference policy it chooses (pure).
+
+- Each row is two sequences in the micro-batch (DPO: chosen and rejected; KTO: the answer and its KL
+  pair): the planner counts a row of ``2 x max_seq_len`` tokens, so every activation, logits and
+  loss term doubles as it would for twice the rows.
+- The reference policy (``planning/preference/reference.py``): for full fine-tuning the frozen
+  ZeRO-3 copy takes its partition (16-bit weights over the ranks) of every GPU; the plan keeps it
+  where the job still fits with that much less memory per GPU, else it plans the precomputed
+  log-probs (nothing on the GPU in training). LoRA (adapters off), ORPO and SimPO add nothing.
+
+The choice travels to the trainer in the generated DeepSpeed config under ``REFERENCE_KEY``
+(DeepSpeed ignores a key it does not know); a run without it (a hand-written ``zero.config``, a trainer
+run by hand) applies the same rule without the plan's peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..preference.reference import WORDS, Reference, choose_reference, copy_bytes_per_gpu, sequences_per_row
+from .estimate import GIB
+
+REFERENCE_KEY = "dzctl_preference_reference"
+
+
+def planned_seq_len(stage: str, max_seq_len: int) -> int:
+    """The tokens one row puts through the model: the sequences of its stage at ``max_seq_len`` each."""
+    return max_seq_len * sequences_per_row(stage)
+
+
+def with_reference(plan, train: Any, total_params: int, planned: Callable[[Any], Any]) -> tuple[Any, Reference]:
+    """The plan and the reference it leaves room for; ``planned(hardware)`` plans again on other hardware."""
+    copy = copy_bytes_per_gpu(total_params, plan.world_size)
+    hardware = plan.hardware
+    if hardware.gpu_mem_gib is None:  # CPU ranks: host RAM, no GPU to share
+        reference = choose_reference(train.stage, train.pref_loss, train.method, copy_bytes=copy)
+        return _noted(plan, reference, copy), reference
+    reference = choose_reference(train.stage, train.pref_loss, train.method, copy_bytes=copy, peak_bytes=0,
+                                 capacity_bytes=int(hardware.gpu_mem_gib * GIB))  # fmt: skip
+    if reference != "frozen-copy":
+        return _noted(plan, reference, copy), reference
+    beside = planned(replace(hardware, gpu_mem_gib=hardware.gpu_mem_gib - copy / GIB))
+    if beside.fits:
+        return _noted(replace(beside, hardware=hardware), "frozen-copy", copy), "frozen-copy"
+    return _noted(plan, "precomputed", copy), "precomputed"
+
+
+def _noted(plan, reference: Reference, copy: int):
+    word = f"preference reference: {WORDS[reference]}"
+    if reference == "frozen-copy":
+        word += f", {copy / GIB:.2f} GiB per GPU counted beside the plan"
+    elif reference == "precomputed":
+        word += f" (a frozen copy's {copy / GIB:.2f} GiB per GPU does not fit beside the plan)"
+    return replace(plan, notes=(*plan.notes, word))
+
+
+def with_reference_key(ds_config: dict[str, Any] | None, reference: Reference | None) -> dict[str, Any] | None:
+    if ds_config is None or reference is None:
+        return ds_config
+    return {**ds_config, REFERENCE_KEY: reference}

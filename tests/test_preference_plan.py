@@ -1,0 +1,117 @@
+"""What a preference stage adds to the memory plan, the reference it chooses, and what status shows (issue 44).
+
+Pure planning on the shipped jobs' shapes (no hosts, no torch training), plus the trainer's reading of
+the plan's choice and the progress keys ``status`` and the log lines show.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.observe.lines import event_line
+from orchestrator.observe.status import parse_progress
+from orchestrator.observe.watchstate import JobWatch
+from orchestrator.planning.inputs import read_inputs
+from orchestrator.planning.memory.fromjob import plan_for_job
+from orchestrator.planning.memory.preference import REFERENCE_KEY
+from orchestrator.planning.preference.reference import choose_reference
+from orchestrator.spec.job import load_job
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "jobs" / "tiny-cpu.yaml"
+QWEN8B = ROOT / "jobs" / "qwen3-8b.yaml"
+FIXTURES = ROOT / "tests" / "fixtures" / "preference"
+DPO_ROWS = [f"data.path={FIXTURES / 'dpo_en_demo.json'}", "data.format=sharegpt"]  # absolute: read on the nodes
+KTO_ROWS = [f"data.path={FIXTURES / 'kto_en_demo.json'}", "data.format=messages"]
+
+
+def _plan(job: Path, *sets: str, gpu: float | None = None, slots: int = 2):
+    inputs = read_inputs(load_job(job, list(sets)))
+    return plan_for_job(inputs, [slots], gpu_mem_gib=gpu, host_mem_gib=None)
+
+
+def _activations(plan) -> int:
+    return sum(v for k, v in plan.estimate.gpu_terms.items() if k.startswith("activations"))
+
+
+def test_dpo_counts_two_sequences_a_row_and_the_reference_copy_on_cpu_ranks():
+    sft, _ = _plan(TINY)
+    dpo, ds = _plan(TINY, "train.stage=dpo", *DPO_ROWS)
+    assert dpo.choice.micro_batch_size == sft.choice.micro_batch_size == 4
+    assert _activations(dpo) == 2 * _activations(sft)
+    assert ds[REFERENCE_KEY] == "frozen-copy"
+    assert any("preference reference: a frozen ZeRO-3-partitioned copy" in note for note in dpo.notes)
+    _, sft_ds = _plan(TINY)
+    assert REFERENCE_KEY not in sft_ds  # an SFT job's DeepSpeed config is as it was
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["train.stage=dpo", "train.pref_loss=orpo", *DPO_ROWS], "none"),
+        (["train.stage=dpo", "train.pref_loss=simpo", *DPO_ROWS], "none"),
+        (["train.stage=dpo", "train.method=lora", *DPO_ROWS], "adapters-off"),
+        (["train.stage=kto", "train.method=lora", *KTO_ROWS], "adapters-off"),
+    ],
+)
+def test_orpo_simpo_and_lora_plan_no_reference_copy(sets, expected):
+    plan, ds = _plan(TINY, *sets)
+    assert ds[REFERENCE_KEY] == expected
+    assert not any("frozen ZeRO-3-partitioned copy" in note for note in plan.notes)
+
+
+def test_full_fine_tuning_keeps_the_copy_where_it_fits_else_precomputes(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(QWEN8B.read_text(encoding="utf-8").replace("/data/alpaca-gpt4-data-zh.json", "/data/x.json"))
+    fixed = ["train.stage=dpo", "train.max_seq_len=1024", "train.micro_batch_size=1", "zero.offload=optimizer"]
+    fixed += ["train.gradient_checkpointing=false"]  # else the planner recomputes layers to make room
+    roomy, roomy_ds = _plan(job, *fixed, gpu=141.0, slots=1)
+    assert roomy.fits and roomy_ds[REFERENCE_KEY] == "frozen-copy"
+    # 8.19 B parameters in bf16 on one GPU: 15.26 GiB, counted beside the plan.
+    assert any("frozen ZeRO-3-partitioned copy of the model, 15.26 GiB per GPU" in note for note in roomy.notes)
+    # The same plan without a reference (ORPO: same two sequences a row) needs R GiB: on a GPU of R + 7 the
+    # policy fits and the copy does not, so the log-probs are precomputed.
+    orpo, _ = _plan(job, *fixed, "train.pref_loss=orpo", gpu=141.0, slots=1)
+    tight, tight_ds = _plan(job, *fixed, gpu=orpo.estimate.gpu_required / 2**30 + 7, slots=1)
+    assert tight.fits and tight_ds[REFERENCE_KEY] == "precomputed"
+    assert any("does not fit beside the plan" in note for note in tight.notes)
+
+
+def test_the_reference_rule():
+    assert choose_reference("dpo", "sigmoid", "full", copy_bytes=10, peak_bytes=85, capacity_bytes=100) == "frozen-copy"
+    assert choose_reference("dpo", "sigmoid", "full", copy_bytes=10, peak_bytes=95, capacity_bytes=100) == "precomputed"
+    assert choose_reference("kto", "sigmoid", "lora", copy_bytes=10) == "adapters-off"
+    assert choose_reference("dpo", "orpo", "full", copy_bytes=10) == "none"
+
+
+def test_the_trainer_takes_the_plans_choice():
+    from transformers import AutoConfig
+
+    from orchestrator.train.preference.stage import reference_for
+
+    loaded = load_job(TINY, ["train.stage=dpo"])
+    config = dict(loaded.spec.model.config)
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    assert reference_for(loaded, config, 2, {REFERENCE_KEY: "precomputed"}) == "precomputed"
+    assert reference_for(loaded, config, 2, {}) == "frozen-copy"  # no plan: the rule, on CPU ranks
+
+
+STEP = {
+    "event": "step", "time": 10.0, "step": 3, "max_steps": 20, "loss": 0.2, "tokens_per_s": 100.0,
+    "rewards_chosen": 1.5, "rewards_rejected": -0.25, "reward_accuracy": 0.875, "reward_margin": 1.75, "kl": 0.5,
+}  # fmt: skip
+
+
+def test_status_and_the_step_line_show_the_rewards():
+    import json
+
+    progress, _, _ = parse_progress(json.dumps(STEP) + "\n", now=11.0)
+    assert progress["preference"] == {
+        "rewards_chosen": 1.5, "rewards_rejected": -0.25, "reward_accuracy": 0.875, "reward_margin": 1.75, "kl": 0.5,
+    }  # fmt: skip
+    sft = {k: v for k, v in STEP.items() if not k.startswith(("reward", "kl"))}
+    assert "preference" not in parse_progress(json.dumps(sft) + "\n", now=11.0)[0]
+    line = event_line(STEP, JobWatch(job="j", job_id="j", nodes=[], started_at=0.0))
+    assert "reward-acc 88%  margin 1.75  kl 0.5" in line

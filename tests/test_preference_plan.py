@@ -69,8 +69,10 @@ def test_full_fine_tuning_keeps_the_copy_where_it_fits_else_precomputes(tmp_path
     fixed += ["train.gradient_checkpointing=false"]  # else the planner recomputes layers to make room
     roomy, roomy_ds = _plan(job, *fixed, gpu=141.0, slots=1)
     assert roomy.fits and roomy_ds[REFERENCE_KEY] == "frozen-copy"
-    # 8.19 B parameters in bf16 on one GPU: 15.26 GiB, counted beside the plan.
+    # 8.19 B parameters in bf16 on one GPU: 15.26 GiB, in the plan's peak.
     assert any("frozen ZeRO-3-partitioned copy of the model, 15.26 GiB per GPU" in note for note in roomy.notes)
+    assert roomy.estimate.gpu_terms["reference model (frozen ZeRO-3 copy)"] == 2 * 8_190_735_360
+    assert roomy.estimate.gpu_required <= 141.0 * 2**30
     # The same plan without a reference (ORPO: same two sequences a row) needs R GiB: on a GPU of R + 7 the
     # policy fits and the copy does not, so the log-probs are precomputed.
     orpo, _ = _plan(job, *fixed, "train.pref_loss=orpo", gpu=141.0, slots=1)

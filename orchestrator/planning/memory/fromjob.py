@@ -212,7 +212,7 @@ def plan_for_job(
             fused_loss=inputs.fused_loss,
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
-            packed=inputs.packing and spec.accelerator == "gpu",
+            packed=inputs.packing and spec.accelerator == "gpu" and spec.train.stage == "sft",  # TRL pads its pairs
             fetch_unit=spec.zero.fetch_unit,
             gpu_kind=speed.gpu.name if speed is not None and speed.gpu is not None else None,
         )

@@ -20,9 +20,10 @@ from dataclasses import replace
 from typing import Any
 
 from ..preference.reference import WORDS, Reference, choose_reference, copy_bytes_per_gpu, sequences_per_row
-from .estimate import GIB
+from .estimate import ALLOCATOR_MARGIN, GIB
 
 REFERENCE_KEY = "dzctl_preference_reference"
+COPY_TERM = "reference model (frozen ZeRO-3 copy)"
 
 
 def planned_seq_len(stage: str, max_seq_len: int) -> int:
@@ -41,16 +42,19 @@ def with_reference(plan, train: Any, total_params: int, planned: Callable[[Any],
                                  capacity_bytes=int(hardware.gpu_mem_gib * GIB))  # fmt: skip
     if reference != "frozen-copy":
         return _noted(plan, reference, copy), reference
-    beside = planned(replace(hardware, gpu_mem_gib=hardware.gpu_mem_gib - copy / GIB))
+    # The copy's tensors are PyTorch's like the rest: the allocator's margin applies to them too.
+    beside = planned(replace(hardware, gpu_mem_gib=hardware.gpu_mem_gib - copy * (1 + ALLOCATOR_MARGIN) / GIB))
     if beside.fits:
-        return _noted(replace(beside, hardware=hardware), "frozen-copy", copy), "frozen-copy"
+        terms = {**beside.estimate.gpu_terms, COPY_TERM: copy}  # shown in the breakdown, in the peak
+        counted = replace(beside, hardware=hardware, estimate=replace(beside.estimate, gpu_terms=terms))
+        return _noted(counted, "frozen-copy", copy), "frozen-copy"
     return _noted(plan, "precomputed", copy), "precomputed"
 
 
 def _noted(plan, reference: Reference, copy: int):
     word = f"preference reference: {WORDS[reference]}"
     if reference == "frozen-copy":
-        word += f", {copy / GIB:.2f} GiB per GPU counted beside the plan"
+        word += f", {copy / GIB:.2f} GiB per GPU (in the breakdown)"
     elif reference == "precomputed":
         word += f" (a frozen copy's {copy / GIB:.2f} GiB per GPU does not fit beside the plan)"
     return replace(plan, notes=(*plan.notes, word))

@@ -350,8 +350,9 @@ def test_old_and_new_data_forms_load(tmp_path):
     ]
     with pytest.raises(InputError, match=r"give data.path .* or data.sources .*, not both"):
         _job(tmp_path, {"path": "a.jsonl", "sources": [{"path": "b.jsonl"}]})
-    with pytest.raises(InputError, match="'prompt' is not a field of format messages"):
-        _job(tmp_path, {"path": "a.jsonl", "format": "messages", "columns": {"prompt": "q"}})
+    # (``prompt`` is a field of messages now: TRL's conversational preference rows, issue 44)
+    with pytest.raises(InputError, match="'question' is not a field of format messages"):
+        _job(tmp_path, {"path": "a.jsonl", "format": "messages", "columns": {"question": "q"}})
 
 
 def test_prune_keeps_the_three_most_recent_and_spares_recent_use(tmp_path):

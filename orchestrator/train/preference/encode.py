@@ -159,6 +159,12 @@ def source_rows(loaded: LoadedJob, source_set: str) -> Iterable[tuple[str, Any, 
 
 def encode_job(loaded: LoadedJob, tokenizer: Any, source_set: str = "train") -> Encoded:
     spec = loaded.spec
+    if spec.data.synthetic:
+        raise DataError(
+            f"{loaded.where('data.path')}: synthetic:random has no chosen or rejected answers to train "
+            f"train.stage: {spec.train.stage} on",
+            fix="give preference rows (docs/preference.md), or set train.stage: sft for a throughput run",
+        )
     renderer = make_renderer(tokenizer, node_chat_template(loaded), spec.data.enable_thinking)
     out = encode_rows(
         source_rows(loaded, source_set),

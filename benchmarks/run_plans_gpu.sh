@@ -19,6 +19,11 @@
 #   grid-lora           recompute_h200.py --lora, 36 layers, by layer: micro 2,4,8,16 x 0/half/all checkpointed
 #   grid-full12         recompute_h200.py, 12 layers: micro 2,4,8,16 x 0/half/all checkpointed
 #   hang-fr             issue 45: benchmarks/hang_flight_recorder_gpu.py (one NCCL rank, its flight recorder dumped)
+#   dpo-full-R          issue 44: DPO (sigmoid) on jobs/data/dpo-pairs.jsonl (LLaMA-Factory's dpo_en_demo layout),
+#                       full FT, 18 layers, seq 2048, auto plan (the reference a frozen copy or stored log-probs)
+#   dpo-lora-R          the same, LoRA r16 on all 36 layers (the reference: the base with the adapters off)
+#   sftpairs-full-R     SFT on the same rows (each conversation with its chosen answer), full FT, 18 layers
+#   sftpairs-lora-R     the same, LoRA on 36 layers: the step time DPO's is compared with
 # TASKS names what runs, in order. A task is skipped when less than its own limit is left of CALL_S. Results are
 # tarred into $OUT after each task. Run from the root of a checkout with the wheels of run_recompute_h200.sh in
 # $WHEELS.
@@ -62,6 +67,15 @@ grid() {  # NAME LIMIT_S ARGS...
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
 G32="--set train.global_batch_size=32 --steps 7 --warmup 3"
+PAIRS="$HERE/jobs/data/dpo-pairs.jsonl"
+DPO="--seq 2048 --set train.stage=dpo --set data.path=$PAIRS --set data.format=sharegpt"
+SFT_PAIRS="--seq 2048 --set data.path=$RES/sft-pairs.jsonl --set data.format=sharegpt"
+# The preference rows as SFT rows: each conversation with its chosen answer as the last turn.
+python3 -c 'import json, sys
+with open(sys.argv[2], "w") as out:
+    for line in open(sys.argv[1]):
+        row = json.loads(line)
+        out.write(json.dumps({"conversations": row["conversations"] + [row["chosen"]]}) + "\n")' "$PAIRS" "$RES/sft-pairs.jsonl"
 OVR="--set=zero.overrides="
 for task in $TASKS; do
     case $task in
@@ -92,6 +106,10 @@ for task in $TASKS; do
         grid-lora) grid "$task" 240 --lora --layers 36 --micro 2,4,8,16 --checkpointed 0,half,all \
             --budget-s 200 --fetch-unit layer ;;
         grid-full12) grid "$task" 200 --layers 12 --micro 2,4,8,16 --checkpointed 0,half,all --budget-s 160 ;;
+        dpo-full-*) launch "$task" 300 auto --layers 18 $G32 $DPO ;;
+        dpo-lora-*) launch "$task" 300 auto --set train.method=lora $G32 $DPO ;;
+        sftpairs-full-*) launch "$task" 240 auto --layers 18 $G32 $SFT_PAIRS ;;
+        sftpairs-lora-*) launch "$task" 240 auto --set train.method=lora $G32 $SFT_PAIRS ;;
         *) echo "$task: unknown task" ;;
     esac
 done

@@ -117,3 +117,12 @@ def test_status_and_the_step_line_show_the_rewards():
     assert "preference" not in parse_progress(json.dumps(sft) + "\n", now=11.0)[0]
     line = event_line(STEP, JobWatch(job="j", job_id="j", nodes=[], started_at=0.0))
     assert "reward-acc 88%  margin 1.75  kl 0.5" in line
+
+
+def test_the_plot_has_a_preference_panel(tmp_path):
+    from orchestrator.observe.plot import write_plot
+
+    events = [{**STEP, "step": n, "reward_accuracy": n / 4, "reward_margin": n / 2.0} for n in range(1, 5)]
+    drawn = write_plot(events, tmp_path / "p.png", "dpo")
+    assert drawn["reward accuracy"] == {"step": [1, 2, 3, 4], "value": [0.25, 0.5, 0.75, 1.0]}
+    assert drawn["reward margin"]["value"] == [0.5, 1.0, 1.5, 2.0] and drawn["KL"]["value"] == [0.5] * 4

@@ -1,5 +1,5 @@
-"""``dzctl status JOB --plot FILE.png``: loss, smoothed loss, eval loss, learning rate, gradient norm and
-useful tokens/s against step.
+"""``dzctl status JOB --plot FILE.png``: loss, smoothed loss, eval loss, learning rate, gradient norm,
+a preference stage's reward margin, reward accuracy and KL, and useful tokens/s against step.
 
 The eval loss (``eval`` events) is drawn on the loss panel, the gradient norm (``grad_norm``
 of the step events, before clipping) on a panel of its own; each only when the run has it.
@@ -23,6 +23,8 @@ from .view import EMA_FACTOR
 from .watchstate import ema
 
 SERIES_KEY = "dzctl-series"
+# A preference stage's panel (docs/preference.md): the reward margin and accuracy, KTO's KL.
+PREFERENCE_SERIES = (("reward_margin", "reward margin"), ("reward_accuracy", "reward accuracy"), ("kl", "KL"))
 
 
 def plot_series(events: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -41,6 +43,10 @@ def plot_series(events: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
         series[name] = ([s for s, _ in known], [v for _, v in known])
     loss_steps, losses = series["loss"]
     series[f"smoothed loss (EMA {EMA_FACTOR})"] = (loss_steps, ema(losses, EMA_FACTOR))
+    for key, name in PREFERENCE_SERIES:  # train.stage dpo | kto: only where the run logs them
+        known = [(e["step"], float(e[key])) for e in steps if isinstance(e.get(key), (int, float))]
+        if known:
+            series[name] = ([s for s, _ in known], [v for _, v in known])
     return series
 
 
@@ -65,7 +71,9 @@ def write_plot(events: list[dict], path: Path, title: str) -> dict[str, dict[str
         )
     smoothed_name = f"smoothed loss (EMA {EMA_FACTOR})"
     with_norm = bool(series["grad norm"][0])
-    fig, axes = plt.subplots(4 if with_norm else 3, 1, figsize=(8, 10.5 if with_norm else 8), sharex=True)
+    rewards = [name for _, name in PREFERENCE_SERIES if name in series]
+    panels = 3 + with_norm + bool(rewards)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, {3: 8, 4: 10.5}.get(panels, 13)), sharex=True)
     loss_ax, lr_ax, rate_ax = axes[0], axes[1], axes[-1]
     loss_ax.plot(*series["loss"], label="loss", color="tab:blue", alpha=0.45, linewidth=1)
     loss_ax.plot(*series[smoothed_name], label=smoothed_name, color="tab:blue", linewidth=2)
@@ -79,6 +87,12 @@ def write_plot(events: list[dict], path: Path, title: str) -> dict[str, dict[str
     if with_norm:
         axes[2].plot(*series["grad norm"], label="grad norm", color="tab:purple")
         axes[2].set_ylabel("gradient norm")
+    if rewards:
+        ax = axes[2 + with_norm]
+        for name in rewards:
+            ax.plot(*series[name], label=name)
+        ax.set_ylabel("preference")
+        ax.legend(loc="upper left")
     rate_ax.plot(*series["useful tokens/s"], label="useful tokens/s", color="tab:green")
     rate_ax.set_ylabel("useful tokens/s (job)")
     rate_ax.set_xlabel("step")

@@ -178,3 +178,38 @@ def test_a_ranking_row_whose_prompt_ends_with_an_answer_is_named():
     with pytest.raises(DataError) as refused:
         to_preference(row, "sharegpt", "s:row 4")
     assert "s:row 4: the prompt must end with the user's turn" in refused.value.message
+
+
+# --- rendered as SFT renders them ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", ["plain", "chatml"])
+def test_a_pair_is_tokenized_as_sft_trains_each_answer(template):
+    """prompt + chosen (and prompt + rejected) are SFT's ids of that conversation; the answers its labelled ids."""
+    from orchestrator.planning.chattemplate import BUILTIN_TEMPLATES, ChatTemplate
+    from orchestrator.train.data.chat import IGNORE, make_renderer
+    from orchestrator.train.data.conversations import Conversation, encode
+    from orchestrator.train.data.tokenizer import build_byte_level_tokenizer
+    from orchestrator.train.preference.encode import Encoded, encode_pair
+
+    tokenizer = build_byte_level_tokenizer()
+    renderer = make_renderer(tokenizer, ChatTemplate(template, BUILTIN_TEMPLATES[template]))
+    row = {
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello."},
+            {"from": "human", "value": "Tell me about tea."},
+        ],
+        "system": "Be kind.",
+        "chosen": {"from": "gpt", "value": "Gladly: tea is lovely."},
+        "rejected": {"from": "gpt", "value": "No."},
+    }
+    pair = to_preference(row, "sharegpt", "r:row 1")
+    example = encode_pair(pair, tokenizer, renderer, 512, Encoded())
+    for side, answer in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        conversation = Conversation((*pair.prompt, ("assistant", answer.content)), "r:row 1", (None,) * 4 + (None,))
+        ((ids, labels),), _ = encode(conversation, tokenizer, 512, renderer)
+        assert example["prompt_ids"] + example[f"{side}_ids"] == ids
+        # The answer's tokens are the last labelled run of SFT's example (the history's answer is labelled too).
+        first = len(example["prompt_ids"])
+        assert all(label != IGNORE for label in labels[first:]) and labels[first - 1] == IGNORE

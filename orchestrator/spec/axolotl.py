@@ -22,6 +22,7 @@ from .keymap import (
     number,
     off,
     optimizer,
+    per_gpu_batch,
     scheduler,
     truthy,
     walk,
@@ -102,18 +103,7 @@ def _target_modules(b: Builder, key: str, value: Any) -> None:
         b.map(key, "train.lora.target_modules", names(value))
 
 
-def _batch(b: Builder, key: str, value: Any) -> None:
-    b.map(key, "train.micro_batch_size", whole(value) if whole(value) is not None else value, _batch_note(b))
-
-
-def _batch_note(b: Builder) -> str:
-    micro = b.value("micro_batch_size") or 1
-    accumulation = b.value("gradient_accumulation_steps") or 1
-    return (
-        f"per GPU, as in axolotl: the global batch is {micro} x {accumulation} x the number of GPUs, so it "
-        "grows with the GPUs; for N rows on any GPUs: --set train.global_batch_size=N "
-        "--set train.micro_batch_size=auto"
-    )
+_batch, _batch_note = per_gpu_batch("axolotl", "micro_batch_size", 1)
 
 
 def _chat_template(b: Builder, key: str, value: Any) -> None:

@@ -305,6 +305,27 @@ def optimizer(b: Builder, key: str, value: Any) -> None:
         b.refuse(key, f"dzctl trains with AdamW only; {value!r} is another optimizer")
 
 
+def per_gpu_batch(tool: str, micro_key: str, micro_default: int) -> tuple[Handler, Callable[[Builder], str]]:
+    """The handler of a tool's per-GPU micro-batch key, and the note that says the global batch grows with the GPUs.
+
+    Both tools read the batch per GPU (micro x accumulation x GPUs), so a job moved to more nodes trains a
+    larger batch there; the note gives dzctl's fix, a global batch that holds on any GPUs."""
+
+    def note(b: Builder) -> str:
+        micro = b.value(micro_key) or micro_default
+        accumulation = b.value("gradient_accumulation_steps") or 1
+        return (
+            f"per GPU, as in {tool}: the global batch is {micro} x {accumulation} x the number of GPUs, so it "
+            "grows with the GPUs; for N rows on any GPUs: --set train.global_batch_size=N "
+            "--set train.micro_batch_size=auto"
+        )
+
+    def handler(b: Builder, key: str, value: Any) -> None:
+        b.map(key, "train.micro_batch_size", whole(value) if whole(value) is not None else value, note(b))
+
+    return handler, note
+
+
 def report_to(b: Builder, key: str, value: Any) -> None:
     wanted = names(value) if value is not None else []
     kept = [name for name in wanted if name in TRACKERS]

@@ -21,6 +21,7 @@ from .keymap import (
     number,
     off,
     optimizer,
+    per_gpu_batch,
     report_to,
     scheduler,
     truthy,
@@ -108,18 +109,7 @@ def _lora_target(b: Builder, key: str, value: Any) -> None:
 _ALL_TARGETS = "all: every linear layer but the output head; of a Qwen/Llama/Mistral model, these seven projections"
 
 
-def _batch(b: Builder, key: str, value: Any) -> None:
-    b.map(key, "train.micro_batch_size", whole(value) if whole(value) is not None else value, _batch_note(b))
-
-
-def _batch_note(b: Builder) -> str:
-    micro = b.value("per_device_train_batch_size") or 8
-    accumulation = b.value("gradient_accumulation_steps") or 1
-    return (
-        f"per GPU, as in LLaMA-Factory: the global batch is {micro} x {accumulation} x the number of GPUs, "
-        "so it grows with the GPUs; for N rows on any GPUs: --set train.global_batch_size=N "
-        "--set train.micro_batch_size=auto"
-    )
+_batch, _batch_note = per_gpu_batch("LLaMA-Factory", "per_device_train_batch_size", 8)
 
 
 def _template(b: Builder, key: str, value: Any) -> None:

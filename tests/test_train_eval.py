@@ -1,10 +1,9 @@
 """Evaluation end to end (issue 26): real DeepSpeed ZeRO-3 on 2 CPU ranks (gloo), one run, several promises.
 
-jobs/tiny-cpu.yaml, packed, holds 8 of its 72 rows out (``data.eval_split: 8``) and
-evaluates every 5 steps at learning rate 1e-2, where its eval loss falls to a low point
-and rises again as the 64 training rows are learnt by heart (measured here: lowest at
-step 25 of 100). With ``save_steps: 5``, ``save_total_limit: 1``, ``save_best`` and early
-stopping (patience 3) the run must:
+jobs/tiny-cpu.yaml, packed, on its first 24 rows (``data.max_rows: 24``), holds 8 of them out
+(``data.eval_split: 8``) and evaluates every 5 steps at learning rate 1e-2, where its eval loss
+falls to a low point and rises again as the 16 training rows are learnt by heart. With
+``save_steps: 5``, ``save_total_limit: 1``, ``save_best`` and early stopping (patience 3) the run must:
 
 - never train on a held-out row, and hold out the rows the stated rule picks (xxh3-64 of
   each row's conversation, seeded with ``train.seed``: the 8 smallest keys);
@@ -42,6 +41,7 @@ pytestmark = pytest.mark.slow
 
 SEED = 42  # jobs/tiny-cpu.yaml's train.seed (the default)
 HELD = 8
+ROWS = 24  # the first rows of the file the run reads (data.max_rows)
 PATIENCE = 3
 MAX_STEPS = 60
 SETS = (
@@ -49,6 +49,10 @@ SETS = (
     "train.learning_rate=1.0e-2",
     "train.packing=true",
     f"data.eval_split={HELD}",
+    # 16 rows to train on: the tiny model learns them by heart and the held-out loss turns up. On all 64
+    # it kept falling to step 60 once alpaca's instruction and input were joined by one newline (issue 43):
+    # the rule never stopped it, a test of luck, not of the rule.
+    f"data.max_rows={ROWS}",
     "train.eval_steps=5",
     "train.save_steps=5",
     "train.save_total_limit=1",
@@ -79,7 +83,8 @@ def test_held_out_rows_are_the_rules_and_never_in_a_training_row(stopped_run):
     from orchestrator.train.data.tokenizer import load_tokenizer
 
     output, _, _ = stopped_run
-    rows = [json.loads(line) for line in (JOB.parent / "data/tiny-alpaca-zh.jsonl").read_text().splitlines()]
+    lines = (JOB.parent / "data/tiny-alpaca-zh.jsonl").read_text().splitlines()[:ROWS]
+    rows = [json.loads(line) for line in lines]
     keys = []
     for number, row in enumerate(rows, start=1):
         messages = to_messages(row, "alpaca", f"row {number}")
@@ -138,7 +143,7 @@ def test_early_stopping_ends_at_the_rules_step_as_a_success(stopped_run):
     curve = [(e["step"], e["eval_loss"]) for e in evals]
     assert [s for s, _ in curve] == list(range(5, curve[-1][0] + 1, 5))
     stop = stop_step(curve, PATIENCE)
-    assert stop is not None and stop < MAX_STEPS, curve
+    assert stop is not None and stop < MAX_STEPS, " ".join(f"{s}:{loss:.3f}" for s, loss in curve)
     end = events[-1]
     assert end["event"] == "end" and end["step"] == stop and end["stopped_early"] is True
     assert evals[-1]["stopped_early"] is True

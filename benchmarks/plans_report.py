@@ -10,6 +10,12 @@
    is fitted to these launches: its inputs are table 1's rates and DeepSpeed's source (planning/speed/
    offload.py), so each row is out of sample.
 3. The NCCL flight recorder of issue 45's one-rank check (``hang-flight-recorder/``), if present.
+4. The recompute grids (``recompute-*.json``: ``benchmarks/recompute_h200.py``) and their fit.
+5. The other launches (``lora-*``, ``before-lora-*``, ``dpo-*``, ``sftpairs-*``): the plan the launch itself
+   made (its ``dzctl-train`` line), its predicted tokens/s (its ``predicted step`` line), measured tokens/s and
+   step, and the measured peak.
+
+A table whose files are not in the folder is left out.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def rates_table(folder: Path) -> list[str]:
+    if not (folder / "offload-rates.json").is_file():
+        return []
     rates = json.loads((folder / "offload-rates.json").read_text(encoding="utf-8"))
     lines = [
         f"node: {rates.get('gpu')}, {rates['cores']} cores, {rates['params'] / 1e9:.1f} G fp32 parameters stepped",
@@ -85,6 +93,8 @@ def predicted(result: dict, host) -> tuple[object, float]:
 def launches_table(folder: Path) -> list[str]:
     from orchestrator.planning.speed.offload import HostOptimizer
 
+    if not (folder / "offload-rates.json").is_file():
+        return []
     rates = json.loads((folder / "offload-rates.json").read_text(encoding="utf-8"))
     host = HostOptimizer(
         rates["torch_fused_adamw_params_per_s"], rates["h2d_bytes_per_s"], "offload-rates.json",
@@ -133,6 +143,53 @@ def flight_recorder(folder: Path) -> list[str]:
     ]
 
 
+def grids_table(folder: Path) -> list[str]:
+    lines = []
+    for path in sorted(folder.glob("recompute-*.json")):
+        grid = json.loads(path.read_text(encoding="utf-8"))
+        fit = grid["fit"]
+        lines.append(
+            f"{path.name}: {grid['device']}, {grid['layers']} layers, lora {grid['lora']}; fit rho {fit['rho']:.3f}, "
+            f"C {fit['fixed_tokens']:,.0f} token-times, worst {fit['worst_relative_error']:.1%}"
+        )
+        for point in grid["points"]:
+            if point.get("oom"):
+                lines.append(f"  micro {point['micro']}, {point['checkpointed']} checkpointed: out of memory")
+            else:
+                lines.append(
+                    f"  micro {point['micro']}, {point['checkpointed']} checkpointed: {point['tokens_per_s']:,.0f} "
+                    f"tokens/s, {point['median_step_s']:.3f} s, peak {point['peak_allocated_gib']:.2f} GiB"
+                )
+    return lines
+
+
+def _line_value(text: str, start: str, after: str, until: str) -> str:
+    line = next((x for x in text.splitlines() if start in x), "")
+    return line.split(after, 1)[1].split(until, 1)[0] if after in line else "?"
+
+
+def other_launches_table(folder: Path) -> list[str]:
+    lines = [
+        "| launch | plan (the launch's own) | measured useful tokens/s (step) | predicted tokens/s | "
+        "measured peak GiB |",
+        "|---|---|---|---|---|",
+    ]
+    names = ("lora-*", "before-lora-*", "dpo-*", "sftpairs-*")
+    for path in sorted(p for pattern in names for p in folder.glob(f"{pattern}/summary.json")):
+        result = json.loads(path.read_text(encoding="utf-8"))["results"][0]
+        runs = (path.parent / "runs.log").read_text(encoding="utf-8")
+        micro = _line_value(runs, "dzctl-train: 1 ranks", "micro-batch ", ",")
+        accumulation = _line_value(runs, "dzctl-train: 1 ranks", "accumulation ", ",")
+        checkpointing = _line_value(runs, "dzctl-train: 1 ranks", "gradient checkpointing ", ",")
+        predicted = _line_value(runs, "predicted step:", "micro-step, ", " tokens/s")
+        lines.append(
+            f"| {path.parent.name} | micro {micro} x {accumulation}, checkpointing {checkpointing} | "
+            f"{result['useful_tokens_per_s_per_gpu']:,.0f} ({result['median_step_s']:.2f} s) | {predicted} | "
+            f"{result['peak_allocated_gib'][0]:.2f} |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -141,7 +198,11 @@ def main() -> int:
         ("offload rates", rates_table(folder)),
         ("offload launches", launches_table(folder)),
         ("NCCL flight recorder", flight_recorder(folder)),
+        ("recompute grids", grids_table(folder)),
+        ("other launches", other_launches_table(folder)),
     ):
+        if not lines:
+            continue
         print(f"## {title}")
         print("\n".join(lines) + "\n")
     return 0

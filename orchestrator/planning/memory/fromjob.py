@@ -209,7 +209,7 @@ def plan_for_job(
             gradient_accumulation_steps=spec.train.gradient_accumulation_steps,
             hardware=hardware,
             accelerator=spec.accelerator,
-            fused_loss=inputs.fused_loss,
+            fused_loss=preference.planned_fused_loss(spec.train.stage, inputs.fused_loss),
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
             packed=inputs.packing and spec.accelerator == "gpu" and spec.train.stage == "sft",  # TRL pads its pairs

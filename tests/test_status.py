@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -219,3 +220,22 @@ def test_a_node_killed_outright_comes_before_the_nodes_whose_collectives_then_re
     lines = ["Traceback (most recent call last):", "RuntimeError: Connection closed by peer",
              "dzctl failure-seq: 3 (node's place among the job's failure reports)"]  # fmt: skip
     assert failure_sequence_in_log(lines) == 3 and failure_sequence_in_log(lines[:2]) is None
+
+
+def test_a_rank_whose_supervisor_is_still_recording_its_end_is_running_not_dead(tmp_path):
+    """The command has exited and its supervisor is between ``wait()`` and writing the exit code (it ends the
+    orphans first). A status read then said "dead" and the job "failed": test_json_contract's watch of a
+    ``sleep 8`` rank saw a succeeded job end as failed in a clean-clone CI run (2026-12-07)."""
+    from orchestrator.runtimes import process
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _, state_path = process._paths(str(tmp_path), 0)
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    me = os.getpid()
+    recording = {"pid": gone.pid, "pid_start_ticks": 1, "supervisor": me, "exit_code": None}
+    state_path.write_text(json.dumps({**recording, "supervisor_start_ticks": process._start_ticks(me)}))
+    assert json.loads(_nodeexec("status", "--job-dir", str(tmp_path), "--rank", "0").stdout)["state"] == "running"
+    # The supervisor gone too (a node reboot, kill -9): the end was never recorded.
+    state_path.write_text(json.dumps({**recording, "supervisor": gone.pid, "supervisor_start_ticks": 1}))
+    assert json.loads(_nodeexec("status", "--job-dir", str(tmp_path), "--rank", "0").stdout)["state"] == "dead"

@@ -152,6 +152,7 @@ def _supervise(command: list[str], env: dict[str, str], log_path: Path, state_pa
                 "pid": proc.pid,
                 "pid_start_ticks": _start_ticks(proc.pid),
                 "supervisor": os.getpid(),
+                "supervisor_start_ticks": _start_ticks(os.getpid()),
                 "started": time.time(),
                 "exit_code": None,
             }
@@ -202,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             "pid": proc.pid,
             "pid_start_ticks": _start_ticks(proc.pid),
             "supervisor": os.getpid(),
+            "supervisor_start_ticks": _start_ticks(os.getpid()),
             "host": socket.gethostname(),
             "started": time.time(),
             "exit_code": None,
@@ -248,6 +250,12 @@ def status(args: argparse.Namespace) -> int:
     if state.get("exit_code") is not None:
         state["state"] = "exited"
     elif _alive(state["pid"], state.get("pid_start_ticks")):
+        state["state"] = "running"
+    elif state.get("supervisor_start_ticks") is not None and _alive(
+        state["supervisor"], state["supervisor_start_ticks"]
+    ):
+        # The command has ended and its supervisor is recording how (it ends the orphans first, which
+        # takes a moment on a loaded node): not dead, its exit code comes next.
         state["state"] = "running"
     else:
         # The supervisor itself died (node reboot, kill -9): the end was never recorded.

@@ -17,6 +17,7 @@ from .keymap import (
     Handler,
     KeyRow,
     direct,
+    held_out_rows,
     ignored,
     names,
     number,
@@ -118,15 +119,6 @@ def _chat_template(b: Builder, key: str, value: Any) -> None:
     else:
         b.refuse(key, f"chat_template {value!r} is axolotl's own; dzctl renders auto, chatml, plain or a Jinja file",
                  "data.template")  # fmt: skip
-
-
-def _val_set_size(b: Builder, key: str, value: Any) -> None:
-    got = number(value)
-    if not got:
-        b.ignore(key, "0: no rows held out")
-    else:
-        held = got if got < 1 else int(got)
-        b.map(key, "data.eval_split", held, "rows held out of the training data (and evaluated at the end too)")
 
 
 def _deepspeed(b: Builder, key: str, value: Any) -> None:
@@ -302,7 +294,7 @@ KEYS: dict[str, Handler] = {
         "an inline Jinja template: save it as a .jinja file (data.template)", None, "data.template"
     ),
     "default_system_message": off("a system prompt added to every row changes the prompts", None),
-    "val_set_size": _val_set_size,
+    "val_set_size": held_out_rows,
     "sequence_len": direct("train.max_seq_len", "int", "tokens per example (longer ones are cut, as there)"),
     "sample_packing": _packing,
     "eval_sample_packing": ignored(SPEED + " (evaluation's batches)"),

@@ -326,6 +326,16 @@ def per_gpu_batch(tool: str, micro_key: str, micro_default: int) -> tuple[Handle
     return handler, note
 
 
+def held_out_rows(b: Builder, key: str, value: Any) -> None:
+    """``val_size`` (LLaMA-Factory) and ``val_set_size`` (axolotl): a share below 1, else a number of rows."""
+    got = number(value)
+    if not got:
+        b.ignore(key, "0: no rows held out")
+    else:
+        held = got if got < 1 else int(got)
+        b.map(key, "data.eval_split", held, "rows held out of the training data (and evaluated at the end too)")
+
+
 def report_to(b: Builder, key: str, value: Any) -> None:
     wanted = names(value) if value is not None else []
     kept = [name for name in wanted if name in TRACKERS]

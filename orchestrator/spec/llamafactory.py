@@ -16,6 +16,7 @@ from .keymap import (
     Builder,
     Handler,
     direct,
+    held_out_rows,
     ignored,
     names,
     number,
@@ -138,15 +139,6 @@ def _template(b: Builder, key: str, value: Any) -> None:
             "(auto), chatml, plain or a Jinja file",
             lifted_by="data.template",
         )
-
-
-def _val_size(b: Builder, key: str, value: Any) -> None:
-    got = number(value)
-    if not got:
-        b.ignore(key, "0: no rows held out")
-    else:
-        held = got if got < 1 else int(got)
-        b.map(key, "data.eval_split", held, "rows held out of the training data (and evaluated at the end too)")
 
 
 def _eval_steps(b: Builder, key: str, value: Any) -> None:
@@ -402,7 +394,7 @@ KEYS: dict[str, Handler] = {
     "max_samples": _max_samples,
     "eval_num_beams": ignored(NOT_TRAINING),
     "ignore_pad_token_for_loss": ignored("dzctl never trains padding"),
-    "val_size": _val_size,
+    "val_size": held_out_rows,
     "eval_on_each_dataset": off("dzctl evaluates the held-out rows together"),
     "packing": _packing,
     "neat_packing": _neat_packing,

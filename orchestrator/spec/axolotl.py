@@ -24,6 +24,7 @@ from .keymap import (
     off,
     optimizer,
     per_gpu_batch,
+    resume_from,
     scheduler,
     truthy,
     walk,
@@ -154,13 +155,6 @@ def _output_dir(b: Builder, key: str, value: Any) -> None:
     else:
         b.ignore(key, "relative to where axolotl ran; dzctl writes to <launch.remote_dir>/output/<name> on every "
                  "node (--set train.output_dir=/ABSOLUTE/PATH for another)")  # fmt: skip
-
-
-def _resume(b: Builder, key: str, value: Any) -> None:
-    if value in (None, False, ""):
-        b.ignore(key, "unset: dzctl resumes from its own last checkpoint (train.resume: auto)")
-    else:
-        b.map(key, "train.resume", str(value))
 
 
 def _packing(b: Builder, key: str, value: Any) -> None:
@@ -389,7 +383,7 @@ KEYS: dict[str, Handler] = {
     "load_best_model_at_end": _best,
     "metric_for_best_model": off("dzctl chooses the best checkpoint by the eval loss only", "eval_loss"),
     "output_dir": _output_dir,
-    "resume_from_checkpoint": _resume,
+    "resume_from_checkpoint": resume_from,
     "auto_resume_from_checkpoints": ignored("dzctl resumes from its last checkpoint (train.resume: auto)"),
     "logging_steps": direct("train.logging_steps", "int", LOGGING),
     "hub_model_id": ignored(NOT_TRAINING + ": dzctl export writes the model"),

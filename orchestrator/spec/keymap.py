@@ -336,6 +336,14 @@ def held_out_rows(b: Builder, key: str, value: Any) -> None:
         b.map(key, "data.eval_split", held, "rows held out of the training data (and evaluated at the end too)")
 
 
+def resume_from(b: Builder, key: str, value: Any) -> None:
+    """Both tools' ``resume_from_checkpoint``: unset is dzctl's own resume, a path is ``train.resume``."""
+    if value in (None, False, ""):
+        b.ignore(key, "unset: dzctl resumes from its own last checkpoint (train.resume: auto)")
+    else:
+        b.map(key, "train.resume", str(value))
+
+
 def report_to(b: Builder, key: str, value: Any) -> None:
     wanted = names(value) if value is not None else []
     kept = [name for name in wanted if name in TRACKERS]

@@ -24,6 +24,7 @@ from .keymap import (
     optimizer,
     per_gpu_batch,
     report_to,
+    resume_from,
     scheduler,
     truthy,
     walk,
@@ -180,13 +181,6 @@ def _output_dir(b: Builder, key: str, value: Any) -> None:
             "relative to where llamafactory-cli ran; dzctl writes to <launch.remote_dir>/output/<name> on every "
             "node (--set train.output_dir=/ABSOLUTE/PATH for another)",
         )
-
-
-def _resume(b: Builder, key: str, value: Any) -> None:
-    if value in (None, False, ""):
-        b.ignore(key, "unset: dzctl resumes from its own last checkpoint (train.resume: auto)")
-    else:
-        b.map(key, "train.resume", str(value))
 
 
 def _do_train(b: Builder, key: str, value: Any) -> None:
@@ -457,7 +451,7 @@ KEYS: dict[str, Handler] = {
     "dataloader_prefetch_factor": ignored(SPEED),
     "report_to": report_to,
     "run_name": ignored(LOGGING),
-    "resume_from_checkpoint": _resume,
+    "resume_from_checkpoint": resume_from,
     "torch_compile": ignored(SPEED),
     "include_num_input_tokens_seen": ignored(LOGGING),
     "include_tokens_per_second": ignored(LOGGING),

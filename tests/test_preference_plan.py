@@ -14,9 +14,11 @@ from orchestrator.observe.lines import event_line
 from orchestrator.observe.status import parse_progress
 from orchestrator.observe.watchstate import JobWatch
 from orchestrator.planning.inputs import read_inputs
-from orchestrator.planning.memory.fromjob import plan_for_job
+from orchestrator.planning.memory.fromjob import SpeedInputs, plan_for_job
 from orchestrator.planning.memory.preference import REFERENCE_KEY
 from orchestrator.planning.preference.reference import choose_reference
+from orchestrator.planning.speed.communication import Links
+from orchestrator.planning.speed.steptime import gpu_kind
 from orchestrator.spec.job import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,3 +128,21 @@ def test_the_plot_has_a_preference_panel(tmp_path):
     drawn = write_plot(events, tmp_path / "p.png", "dpo")
     assert drawn["reward accuracy"] == {"step": [1, 2, 3, 4], "value": [0.25, 0.5, 0.75, 1.0]}
     assert drawn["reward margin"]["value"] == [0.5, 1.0, 1.5, 2.0] and drawn["KL"]["value"] == [0.5] * 4
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_step_time_holds_the_reference_forward(method):
+    """DPO's sigmoid loss runs a reference forward each micro-step (the base with LoRA's adapters off, or the
+    frozen copy); SimPO has none. Same rows, same plan: the step differs by the reference's forward alone."""
+    speed = SpeedInputs(gpu=gpu_kind("H100"), links=Links.rated(None, gpu_kind("H100").intra_bytes_per_s, "test"))
+    dpo_job = ROOT / "jobs" / "qwen3-8b-dpo.yaml"
+    sets = [f"train.method={method}", "train.micro_batch_size=2", "train.gradient_checkpointing=false"]
+    plans = {}
+    for loss in ("sigmoid", "simpo"):
+        inputs = read_inputs(load_job(dpo_job, [*sets, f"train.pref_loss={loss}", *DPO_ROWS]))
+        plans[loss], _ = plan_for_job(inputs, [1], gpu_mem_gib=141, host_mem_gib=1024, speed=speed)
+    with_reference, without = plans["sigmoid"].speed.step, plans["simpo"].speed.step
+    assert plans["sigmoid"].choice == plans["simpo"].choice
+    # the forward is 2 N FLOPs a token against the policy's 4 N (LoRA: no weight gradients of the base) or 6 N
+    assert with_reference.compute_s / without.compute_s == pytest.approx(1.5 if method == "lora" else 4 / 3)
+    assert any("preference reference: its forward is in the step time" in n for n in plans["sigmoid"].speed.notes)

@@ -261,6 +261,8 @@ def plan_for_job(
             micro_auto=allowed.micro_batch_size is None and plan.choice_source == "model",
             checkpointing_auto=allowed.gradient_checkpointing is None and plan.choice_source == "model",
             user_settings=user_zero_settings(inputs.user_ds_config, spec.zero.overrides, spec.zero.config),
+            # DPO's and KTO's reference policy runs a forward of its own each micro-step
+            reference_forward=reference in ("frozen-copy", "adapters-off"),
         )
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
             spec = spec.model_copy(

@@ -291,13 +291,17 @@ def predict(
     checkpointing: bool = True,
     accumulation: int = 1,
     optimizer_s: float = 0.0,
+    reference_share: float = 0.0,
 ) -> StepTime:
     """The predicted micro-step of one GPU.
 
     ``flops_per_s``: what one GPU (or CPU rank) sustains on this model, MFU × peak
     (``compute_rate``); ``grad_numels``: the trained tensors (``None``: every weight; LoRA
     passes its adapters'). ``tokens`` is what one GPU processes per micro-step; ``optimizer_s``
-    the optimizer's own step (``optimizer_seconds``; 0 where it is not on the GPUs).
+    the optimizer's own step (``optimizer_seconds``; 0 where it is not on the GPUs);
+    ``reference_share``: a preference stage's reference forward per micro-step, as a share of the
+    policy's compute (``reference_forward_share``; 0: no reference forward), whose weights are gathered
+    once more in the forward order.
     """
     weights = shape.weight_numels()
     forward, backward = gathered_per_phase(
@@ -305,6 +309,8 @@ def predict(
         checkpointing=checkpointing,
         max_reuse_distance=zero.max_reuse_distance,
     )
+    if reference_share > 0:  # the frozen copy, or the policy with its adapters off, runs one more forward
+        forward = forward + forward
     collectives = micro_step_collectives(
         forward,
         backward,
@@ -316,10 +322,23 @@ def predict(
         accumulation=accumulation,
     )
     comm = comm_time(collectives, layout=layout, links=links)
-    compute = tokens * shape.flops_per_token(seq_len) / flops_per_s
+    compute = tokens * shape.flops_per_token(seq_len) / flops_per_s * (1 + reference_share)
     return StepTime(
         tokens=tokens, compute_s=compute, comm=comm, overlap=overlap, accumulation=accumulation, optimizer_s=optimizer_s
     )
+
+
+def reference_forward_share(lora: bool, checkpointed: int, num_layers: int) -> float:
+    """A reference forward's time as a share of the policy's forward and backward on the same sequences.
+
+    The forward is 2 N FLOPs a token; the policy's step does 6 N with full fine-tuning, 4 N with LoRA (the
+    frozen base's weights get no gradient, only the activations do), plus 2 N per token in each recomputed
+    layer's second forward. Both run at the same hardware rate (the same kernels, the same gathers). One
+    H100 measured LoRA DPO, none recomputed, at 15.46 s a step where the step without the reference
+    predicted 10.76 s: 1.44x, against the 1.5x this share gives (benchmarks/results/plans-h100x1-20261207).
+    """
+    recomputed = checkpointed / num_layers if num_layers else 0.0
+    return 2.0 / ((4.0 if lora else 6.0) + 2.0 * recomputed)
 
 
 def module_blocks(shape: ModelShape, persistence_threshold: int) -> list[list[tuple[int, int]]]:

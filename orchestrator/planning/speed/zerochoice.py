@@ -33,6 +33,7 @@ from .steptime import (
     mfu_for,
     optimizer_seconds,
     predict,
+    reference_forward_share,
 )
 from .usersettings import UserZeroSettings, user_zero_settings
 
@@ -110,6 +111,7 @@ def choose_zero(
     micro_auto: bool = False,
     checkpointing_auto: bool = False,
     user_settings: UserZeroSettings | None = None,
+    reference_forward: bool = False,
 ) -> MemoryPlan:
     """The plan with hpZ and buckets chosen by the step-time model, and its ``speed`` filled in.
 
@@ -120,6 +122,8 @@ def choose_zero(
     smaller micro-batch or recompute more layers; the step-time model weighs both.
     ``user_settings``: the speed-relevant keys of ``fixed_config`` with the file each came from
     (``usersettings.user_zero_settings``); None: read from ``fixed_config``, its file unnamed.
+    ``reference_forward``: a preference stage whose reference policy runs its own forward each micro-step
+    (the frozen copy, or LoRA's base with the adapters off); its time is in the step.
     """
     slots = plan.hardware.slots_per_node
     layout = Layout(gpus_per_node=max(slots), nodes=len(slots))
@@ -185,6 +189,7 @@ def choose_zero(
             checkpointing=plan.choice.gradient_checkpointing,
             accumulation=candidate.gradient_accumulation_steps,
             optimizer_s=_optimizer_s(candidate, gpu, host, world, layout.gpus_per_node, p),
+            reference_share=_reference_share(candidate) if reference_forward else 0.0,
         )
 
     default = plan.buckets
@@ -233,6 +238,11 @@ def choose_zero(
         speed = SpeedPlan(step=plain, plain=plain, gpu=gpu.name, notes=tuple(notes), user_settings=settings)
         return replace(plan, speed=speed)
     _, hpz, buckets, step, chosen = best
+    if reference_forward:
+        notes.append(
+            f"preference reference: its forward is in the step time ({_reference_share(chosen):.0%} of the "
+            "policy's forward and backward on the same sequences)"
+        )
     mfu, mfu_source = mfu_for(gpu, plan.fused_loss, _compute_plan(chosen))
     if hpz > 1 and user_hpz is None:
         moved = chosen.choice.micro_batch_size != planned_micro
@@ -294,6 +304,11 @@ def _optimizer_s(
         accumulation=plan.gradient_accumulation_steps,
         link_bytes_per_s=gpu.pcie_bytes_per_s * PCIE_EFFICIENCY,
     )
+
+
+def _reference_share(plan: MemoryPlan) -> float:
+    layers = plan.estimate.num_layers
+    return reference_forward_share(plan.estimate.method == "lora", plan.choice.layers_checkpointed(layers), layers)
 
 
 def _compute_plan(plan: MemoryPlan) -> ComputePlan:

@@ -12,6 +12,11 @@ recorder that writes, for each step up to the last recorded one:
 - ``setup.json`` (rank 0): where the reference comes from (``ref_model``, PEFT adapters);
 - LoRA: ``copy-logps-N-rankR.pt``: the log-probs of an explicit frozen copy of the base (built as the
   base was, ZeRO-3-partitioned in TRL's DeepSpeed inference engine) on the same batch.
+
+Under ``dzctl launch`` (one rank per test host) the ranks run ``python -m orchestrator.train`` as in
+production; ``site_hook(folder)`` writes a ``sitecustomize.py`` for the ranks' PYTHONPATH
+(``launch.env``) that installs the same recorder once ``orchestrator.train.preference.stage`` is
+imported: nothing else of the trainer changes, and the torchrun agent (no LOCAL_RANK) is left alone.
 """
 
 from __future__ import annotations
@@ -23,8 +28,50 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RECORD = Path(os.environ["DZCTL_TEST_RECORD"])
+RECORD = Path(os.environ.get("DZCTL_TEST_RECORD", "."))
 LAST = int(os.environ.get("DZCTL_TEST_STEPS", "10"))
+STAGE = "orchestrator.train.preference.stage"
+
+SITE = f"""\
+import os, sys
+
+if os.environ.get("LOCAL_RANK") is not None and os.environ.get("DZCTL_TEST_RECORD"):
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    import preferencerank
+
+    preferencerank.install_on_import()
+"""
+
+
+def site_hook(folder: Path) -> Path:
+    """A folder holding the ``sitecustomize.py`` that records a rank started by ``dzctl launch``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SITE, encoding="utf-8")
+    return folder
+
+
+def install_on_import() -> None:
+    """``install()`` right after the trainer imports the preference stage (not before: torch is not set up yet)."""
+    import importlib.abc
+    import importlib.machinery
+
+    class AfterStage(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != STAGE:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                RECORD.mkdir(parents=True, exist_ok=True)
+                install()
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, AfterStage())
 
 
 def gathered_state(model) -> dict:

@@ -20,7 +20,7 @@ from ..planning.memory.search import MemoryPlan
 from ..planning.shape import ModelShape
 from ..planning.speed.calibration import DEFAULT_TOP, choice_source_line, kind_of
 from ..planning.speed.communication import Links
-from ..planning.speed.offload import HostOptimizer
+from ..planning.speed.offload import ASSUMED_HOST, HostOptimizer
 from ..planning.speed.steptime import GPU_KINDS
 from ..planning.speed.steptime import gpu_kind as lookup_gpu_kind
 from ..preflight.render import print_report
@@ -90,7 +90,7 @@ def speed_inputs(
     intra = intra_gbps * 1e9 / 8 if intra_gbps is not None else kind.intra_bytes_per_s
     where = [f"--link-gbps {link_gbps:g} (rated)" if link_gbps is not None else "inter-node not given"]
     where.append(f"--intra-gbps {intra_gbps:g}" if intra_gbps is not None else f"intra-node {kind.name} default")
-    host = None
+    host = ASSUMED_HOST  # no node is measured here: the plan names the rate as assumed
     if host_adam_rate is not None:
         host = HostOptimizer(host_adam_rate * 1e9, None, f"--host-adam-rate {host_adam_rate:g}")
     return SpeedInputs(gpu=kind, links=Links.rated(link_gbps, intra, ", ".join(where)), host=host)

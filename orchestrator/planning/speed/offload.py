@@ -19,8 +19,8 @@ ranks share its cores and its memory bandwidth, and AdamW over fp32 states is bo
 the AdamW rate is the node's, measured with all its cores (preflight's ``python-env`` probe, or
 ``dzctl plan --host-adam-rate``), and the partitions of the node's ranks add up: a node with fewer or
 slower cores, or slower memory, plans a slower step. The copy rates are the probe's, or else the GPU
-kind's PCIe link at the share measured on one H100 node (``PCIE_EFFICIENCY``). Without an AdamW rate the
-host's part is not timed, and the plan says so.
+kind's PCIe link at the share measured on one H100 node (``PCIE_EFFICIENCY``). ``dzctl plan`` without a
+measured node or ``--host-adam-rate`` times the host's part at ``ASSUMED_HOST``, and says that it did.
 """
 
 from __future__ import annotations
@@ -49,6 +49,18 @@ class HostOptimizer:
             down = self.d2h_bytes_per_s or self.h2d_bytes_per_s
             copy = f", copies {self.h2d_bytes_per_s / 1e9:.1f} GB/s up and {down / 1e9:.1f} down"
         return f"host AdamW {self.adam_params_per_s / 1e9:.2f} G params/s{copy} ({self.source})"
+
+
+# The AdamW rate of the one node dzctl has measured (benchmarks/results/plans-h100x1-20261206/offload-rates.json:
+# DeepSpeed's cpu_adam over 2 G fp32 parameters on 16 cores, 5.20 and 4.83 G/s in two rounds): what `dzctl plan`
+# assumes for a node it cannot measure. A node with more cores and memory channels steps faster; launch
+# measures each. The copies are left to the GPU kind's link (that node's were PCIe 5.0).
+ASSUMED_HOST = HostOptimizer(
+    5.0e9,
+    None,
+    "assumed, not measured: the one 16-core node dzctl measured; launch measures each node, --host-adam-rate "
+    "gives yours",
+)
 
 
 def host_optimizer_from_nodes(readings: Mapping[str, Mapping[str, float]]) -> HostOptimizer | None:

@@ -18,6 +18,10 @@
 #   full12-R            full FT, 12 layers, SFT rows, auto plan;  full12-mMICRO-R as for LoRA
 #   grid-lora           recompute_h200.py --lora, 36 layers, by layer: micro 2,4,8,16 x 0/half/all checkpointed
 #   grid-full12         recompute_h200.py, 12 layers: micro 2,4,8,16 x 0/half/all checkpointed
+#   tune-lora           `dzctl tune --top 4` on the LoRA job: the planner's own choice and its next three
+#                       candidates, each a launch of 6 steps (the median of steps 3-6) in this one call
+#   tune-off            the same on full FT, 18 layers (on an H100: the optimizer offloaded)
+#   tune-full12         the same on full FT, 12 layers
 #   hang-fr             issue 45: benchmarks/hang_flight_recorder_gpu.py (one NCCL rank, its flight recorder dumped)
 #   dpo-full-R          issue 44: DPO (sigmoid) on jobs/data/dpo-pairs.jsonl (LLaMA-Factory's dpo_en_demo layout),
 #                       full FT, 18 layers, seq 2048, auto plan (the reference a frozen copy or stored log-probs)
@@ -50,6 +54,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc; grep -m1 'model name' /proc/cpuinfo; free -g | head -2
 save() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
 fits() { [ $(($(date +%s) - began + $1)) -le "$CALL_S" ]; }
+tune() {  # NAME LIMIT_S ARGS...: dzctl tune's candidates, in --limit-s of the call
+    name=$1 limit=$2; shift 2
+    if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
+    t0=$(date +%s)
+    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --tune 4 --steps 6 --warmup 2 \
+        --budget-s $((limit - 15)) --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
+    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+}
 launch() {  # NAME LIMIT_S ARGS...
     name=$1 limit=$2; shift 2
     if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
@@ -95,6 +107,9 @@ for task in $TASKS; do
             "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
         off-super-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
             "${OVR}{zero_optimization: {offload_optimizer: {super_offload: true}}}" ;;
+        tune-lora) tune "$task" 540 auto --set train.method=lora --set train.global_batch_size=32 ;;
+        tune-off) tune "$task" 540 auto --layers 18 --set train.global_batch_size=32 $OFF_SET ;;
+        tune-full12) tune "$task" 540 auto --layers 12 --set train.global_batch_size=32 ;;
         lora-m2nock-*) launch "$task" 200 auto --set train.method=lora $G32 --set train.micro_batch_size=2 \
             --set train.gradient_checkpointing=false ;;
         lora-m*) m=${task#lora-m}; m=${m%%-*}

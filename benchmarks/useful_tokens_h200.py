@@ -172,6 +172,8 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
     result["plan"] = {k: plan.get(k) for k in PLAN_KEYS}
     result["predicted_peak_gib"] = plan.get("per_gpu_gib")
     started = time.monotonic()
+    if args.tune:
+        return result | run_tune(job, args, env, log)
     launch_argv = ["launch", str(job), "--hosts", str(args.hosts), "--runtime", "process", "--follow", "--json"]
     try:
         launched = dzctl(*launch_argv, env=env, timeout=LAUNCH_TIMEOUT_S)
@@ -198,6 +200,27 @@ def run_config(config: str, args, accelerator: str, data_file: Path, gpu_gib: fl
     if "error" in result and code != 0:
         result["launch_error"] = stderr.strip().splitlines()[-3:]  # e.g. launch refusing the spec
     return result
+
+
+def run_tune(job: Path, args, env: dict, log) -> dict:
+    """``dzctl tune``: the planner's top candidates (its own choice first), each a launch of --steps steps on this
+    node, measured in one call; its JSON is the result (tune.json in --out)."""
+    argv = ["tune", str(job), "--hosts", str(args.hosts), "--runtime", "process", "--top", str(args.tune)]
+    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(LAUNCH_TIMEOUT_S), "--json"]
+    started = time.monotonic()
+    try:
+        done = dzctl(*argv, env=env, timeout=args.budget_s)
+        stdout, stderr, code = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr, code = "", str(exc), "timeout"
+    log.write(f"===== tune: {' '.join(argv)}\n{stderr}\n{stdout}\n")
+    log.flush()
+    (args.out / "tune.json").write_text(stdout, encoding="utf-8")
+    try:
+        tuned = json.loads(stdout)
+    except json.JSONDecodeError:
+        tuned = {"error": stderr.strip().splitlines()[-3:] if stderr.strip() else "no output"}
+    return {"tune": tuned, "tune_exit_code": code, "tune_wall_s": round(time.monotonic() - started, 1)}
 
 
 def run_trainer_directly(spec: dict, plan: dict, workdir: Path, args, env: dict, log) -> str:
@@ -274,6 +297,9 @@ def table(results: list[dict]) -> str:
     )
     lines = [head, "|" + "---|" * 11]
     for r in results:
+        if "tune" in r:  # dzctl tune's candidates: tune.json, benchmarks/plans_report.py
+            lines.append(f"| {r['config']} | dzctl tune, exit {r['tune_exit_code']}: see tune.json |")
+            continue
         if "error" in r:
             lines.append(f"| {r['config']} | failed: {r['error']} (launch exit {r.get('launch_exit_code')}) |")
             continue
@@ -305,6 +331,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers of the same shape (one GPU)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", default="/tmp/dzctl-useful")
+    parser.add_argument(
+        "--tune", type=int, default=0, metavar="TOP", help="run `dzctl tune --top TOP` instead of one launch"
+    )
     parser.add_argument("--budget-s", type=float, default=560, help="skip configurations that would overrun this")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="spec override, every config")
     parser.add_argument(

@@ -71,13 +71,15 @@ def test_a_record_round_trips_through_the_file_text_and_a_broken_file_is_named()
     key = key_for(shape, kind="cpu", seq_len=128, method="full", precision="fp32", ranks_per_node=1)
     record = Calibration(
         key,
-        (Measured(4, 0, "none", 1, tokens_per_s=900.0), Measured(2, 0, "none", 2, tokens_per_s=1200.0),
+        (Measured(4, 0, "none", 1, tokens_per_s=900.0, predicted_tokens_per_s=950.0),
+         Measured(2, 0, "none", 2, tokens_per_s=1200.0),
          Measured(1, 0, "none", 3, error="exit code 1")),
         "2026-12-06T10:00:00+00:00", 4, 2, "0.1.0", "abc",
     )  # fmt: skip
     records = parse_calibrations(calibrations_text({key.text(): record}), "cal.json")
     found = CalibrationInput(records, "cpu").lookup(key)
     assert found == record and found.fastest.micro_batch_size == 2
+    assert found.measured[0].predicted_tokens_per_s == 950.0  # the model's figure is kept beside the measured one
     assert found.source_line() == (
         "from calibration (measured 2026-12-06 on cpu: 1,200 tokens/s; the model ranked it 2nd)"
     )
@@ -184,6 +186,7 @@ def test_tune_measures_two_candidates_and_the_next_plan_uses_the_fastest(tmp_pat
     candidates = result["candidates"]
     assert [(c["micro_batch_size"], c["model_rank"]) for c in candidates] == [(4, 1), (2, 2)]
     assert all(c["tokens_per_s"] > 0 and c["error"] is None for c in candidates), candidates
+    assert all(c["predicted_tokens_per_s"] is None for c in candidates)  # a CPU job has no step-time model
     fastest = max(candidates, key=lambda c: c["tokens_per_s"])
     assert result["fastest"] == fastest and result["kind"] == "cpu"
     # the calibration file: the key, every candidate, when and by which dzctl

@@ -213,6 +213,7 @@ def _as_candidate(measured: Measured, choice: Choice, layers: int, rank: int) ->
         rank,
         tokens_per_s=measured.tokens_per_s,
         error=measured.error,
+        predicted_tokens_per_s=measured.predicted_tokens_per_s,
     )
 
 
@@ -225,7 +226,10 @@ def _words(choice: Choice, layers: int) -> str:
 
 def _outcome(measured: Measured) -> str:
     if measured.tokens_per_s is not None:
-        return f"{measured.tokens_per_s:,.1f} tokens/s per rank"
+        predicted = measured.predicted_tokens_per_s
+        return f"{measured.tokens_per_s:,.1f} tokens/s per rank" + (
+            f" (the model predicted {predicted:,.0f})" if predicted is not None else ""
+        )
     return f"failed: {measured.error}"
 
 
@@ -279,7 +283,14 @@ def _launch_and_measure(
         rate = median_tokens_per_s(progress_history(record, pool), options.warmup)
         if rate is None:
             return Measured(0, 0, "none", 0, error=f"job {record.job_id}: no step after the {options.warmup} warm-up")
-        return Measured(0, 0, "none", 0, tokens_per_s=rate)
+        return Measured(0, 0, "none", 0, tokens_per_s=rate, predicted_tokens_per_s=predicted_rate(prepared))
+
+
+def predicted_rate(prepared: launcher.Prepared) -> float | None:
+    """The step-time model's tokens/s per GPU for the plan this candidate launched with (None: not predicted,
+    e.g. a CPU job or an unknown GPU kind): beside the measured rate, it shows the model's error per candidate."""
+    step = getattr(prepared.job.memory.speed, "step", None)
+    return round(step.tokens_per_s, 1) if step is not None else None
 
 
 def _stop(record, pool: HostPool, store: JobStore, reason: str) -> None:

@@ -79,6 +79,7 @@ class Measured:
     model_rank: int  # 1: the model's own choice; k: its k-th fastest by the cost model
     tokens_per_s: float | None = None  # median useful tokens/s per rank over the steps after the warm-up
     error: str | None = None  # why it did not run to the end (OOM, crash, timeout)
+    predicted_tokens_per_s: float | None = None  # the step-time model's figure for this candidate's own plan
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +88,7 @@ class Measured:
             "offload": self.offload,
             "model_rank": self.model_rank,
             "tokens_per_s": self.tokens_per_s,
+            "predicted_tokens_per_s": self.predicted_tokens_per_s,
             "error": self.error,
         }
 
@@ -99,6 +101,9 @@ class Measured:
             model_rank=int(data["model_rank"]),
             tokens_per_s=None if data.get("tokens_per_s") is None else float(data["tokens_per_s"]),
             error=data.get("error"),
+            predicted_tokens_per_s=(
+                None if data.get("predicted_tokens_per_s") is None else float(data["predicted_tokens_per_s"])
+            ),
         )
 
     def words(self, num_layers: int) -> str:

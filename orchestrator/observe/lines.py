@@ -124,7 +124,10 @@ def eval_text(event: dict) -> str:
     """An ``eval`` event in one line: the loss per token, the best so far, what it decided."""
     parts = [f"eval  step {event.get('step')}/{event.get('max_steps')}"]
     if event.get("eval_loss") is not None:
-        parts.append(f"eval loss {event['eval_loss']:.4f} over {event.get('eval_tokens') or 0:,} tokens")
+        over = f"{event.get('eval_tokens') or 0:,} tokens"
+        if event.get("eval_unit"):  # a preference stage's loss is a mean per pair (KTO: per answer), not per token
+            over = f"{event.get('eval_rows') or 0:,} {event['eval_unit']} ({over})"
+        parts.append(f"eval loss {event['eval_loss']:.4f} over {over}")
     if event.get("best_eval_loss") is not None:
         parts.append(f"best {event['best_eval_loss']:.4f} at step {event.get('best_step')}")
     if event.get("best_checkpoint"):

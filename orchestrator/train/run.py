@@ -384,6 +384,7 @@ class ProgressCallback(TrainerCallback):
         self.last_rate: tuple[float, float] | None = None
         self.last_processed_rate: float | None = None
         self.preference = False  # train.stage dpo | kto: TRL's evaluations are written as eval events here
+        self.preference_eval: dict[str, Any] = {}  # their data: examples, unit and tokens (pref_stage.eval_fields)
 
     def _common(self, state) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
@@ -435,7 +436,11 @@ class ProgressCallback(TrainerCallback):
         if self.ranks.rank == 0 and self.preference and "eval_loss" in logs:
             # A preference stage's evaluation (TRL's evaluate): its loss and reward metrics.
             self.log.write(
-                "eval", **self._common(state), eval_loss=finite(logs["eval_loss"]), **pref_keys(logs, "eval_")
+                "eval",
+                **self._common(state),
+                eval_loss=finite(logs["eval_loss"]),
+                **self.preference_eval,
+                **pref_keys(logs, "eval_"),
             )
         if self.ranks.rank != 0 or "loss" not in logs:
             return
@@ -678,8 +683,8 @@ def train(
     if ranks.rank == 0:
         print(f"dzctl-train: loss {fused_loss} (train.fused_loss: {spec.train.fused_loss})", flush=True)
     preference = spec.train.stage != "sft"
-    if preference:  # dpo | kto: the rows tokenized in memory, TRL's trainers (train/preference/)
-        dataset, eval_dataset = pref_stage.load_data(loaded, tokenizer, ranks)
+    if preference:  # dpo | kto: the node's mapped cache of encoded rows, TRL's trainers (train/preference/)
+        dataset, eval_dataset = pref_stage.load_data(loaded, tokenizer, ranks, settings.output_dir)
     else:
         dataset, eval_dataset = load_dataset(loaded, tokenizer, settings, ranks, config.vocab_size, log)
     for key, value in tracker_env(spec.train.report_to, str(output_dir), os.environ.get("DZCTL_JOB_ID", "run")).items():
@@ -756,6 +761,7 @@ def train(
     callbacks = [callback, *save_callbacks(spec.train.save_minutes, save), *([runner] if runner else [])]
     if preference:
         callback.preference = True
+        callback.preference_eval = pref_stage.eval_fields(eval_dataset, spec.train.stage) if ranks.rank == 0 else {}
         ref_model = None
         if reference == "frozen-copy":
             hf_set_seed(spec.train.seed)  # random init: the copy's weights are the policy's first ones

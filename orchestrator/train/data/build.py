@@ -162,12 +162,12 @@ def _encode_chunk(
     )
 
 
-def _quiet_tokenizer() -> None:
+def quiet_tokenizer() -> None:
     # One worker per core already: the tokenizer's own threads would only contend with the others.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-class _Done:
+class Done:
     def __init__(self, value) -> None:
         self.value = value
 
@@ -224,7 +224,7 @@ def build(
     # gc.freeze: the workers' collector then never walks (and so never copies) the objects they share
     # with this rank through fork (torch, transformers, the tokenizer): their pages stay shared.
     gc.freeze()
-    pool = multiprocessing.get_context("fork").Pool(workers, _quiet_tokenizer) if workers > 1 else None
+    pool = multiprocessing.get_context("fork").Pool(workers, quiet_tokenizer) if workers > 1 else None
     gc.unfreeze()
     lengths = array("q")
     source_of = array("H")
@@ -259,7 +259,7 @@ def build(
 
             def submit(index: int, chunk: list[Conversation]) -> None:
                 if pool is None:
-                    pending.append((index, _Done(_encode_chunk(chunk))))
+                    pending.append((index, Done(_encode_chunk(chunk))))
                 else:
                     pending.append((index, pool.apply_async(_encode_chunk, (chunk,))))
                 drain(2 * workers)

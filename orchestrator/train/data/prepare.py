@@ -21,6 +21,10 @@ thread, another node broke the live lock and the node's own ranks stopped waitin
 ``data.eval`` (evaluation data of its own) is a second cache, built and mapped the same way
 (``source_set="eval"``, with its own run note); ``data.eval_split`` holds rows out of the
 training cache itself (``build.py``, ``holdout.py``).
+
+What is built is a ``Recipe``: SFT's (``build.py``'s token files, ``MappedData``) or a preference
+stage's (``preference.py``: ``train.stage: dpo | kto``); the key, the lock, the heartbeat, the
+check, the wait and the prune are the same for every recipe.
 """
 
 from __future__ import annotations
@@ -50,8 +54,22 @@ NOTE_SLACK_S = 120.0  # a note written this long before this rank started is an 
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """What a cache holds and how: its key material, its builder and how a rank maps a built one.
+
+    ``material(found, cache_dir)``: the key's material (everything that changes the content);
+    ``build(found, folder, say, alive)``: write the files into ``folder``, return a ``BuildResult``
+    (its ``info`` has ``examples``, ``tokens``, ``build_s`` and ``workers``); ``open(folder)``: the
+    mapped data of a built cache."""
+
+    material: Callable[[list[sources.Source], Path], dict[str, Any]]
+    build: Callable[..., Any]
+    open: Callable[[Path], Any]
+
+
+@dataclass(frozen=True)
 class Prepared:
-    data: MappedData
+    data: Any  # the recipe's mapped data (SFT: MappedData)
     key: str
     cached: bool
     seconds: float
@@ -178,14 +196,32 @@ def prepare(
         enable_thinking=spec.data.enable_thinking,
         mix=spec.data.mix if source_set == "train" else "weights",
     )
+    recipe = Recipe(
+        material=lambda found, folder: key_material(found, tokenizer, settings, folder),
+        build=lambda found, folder, report, alive: build(found, tokenizer, settings, folder, report, alive),
+        open=MappedData,
+    )
+    return prepare_with(recipe, loaded, local_rank=local_rank, cache_dir=cache_dir, say=say, source_set=source_set)
+
+
+def prepare_with(
+    recipe: Recipe,
+    loaded: LoadedJob,
+    *,
+    local_rank: int,
+    cache_dir: Path,
+    say: Callable[[str], None],
+    source_set: str = "train",
+) -> Prepared:
+    """The node's cache that ``recipe`` builds: local rank 0 builds (or checks) it, the others wait and map it."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     token = cache.launch_token()
     note = cache.RunNote(cache_dir, token if source_set == "train" else f"{token}-{source_set}")
     if local_rank != 0:
-        return _wait_for_builder(note, cache_dir, say)
+        return _wait_for_builder(note, cache_dir, say, recipe.open)
     try:
         with Heartbeat(note) as heartbeat:
-            prepared = _as_builder(loaded, tokenizer, settings, cache_dir, heartbeat, say, source_set)
+            prepared = _as_builder(loaded, recipe, cache_dir, heartbeat, say, source_set)
     except BaseException as exc:
         reason = exc.message if isinstance(exc, DzError) else f"{type(exc).__name__}: {exc}"
         note.write("failed", reason=reason, fix=getattr(exc, "fix", None), input=isinstance(exc, DataError))
@@ -194,13 +230,11 @@ def prepare(
     return prepared
 
 
-def _as_builder(
-    loaded, tokenizer, settings: BuildSettings, cache_dir: Path, heartbeat: Heartbeat, say, source_set
-) -> Prepared:
+def _as_builder(loaded, recipe: Recipe, cache_dir: Path, heartbeat: Heartbeat, say, source_set) -> Prepared:
     started = time.monotonic()
     heartbeat.beat("building", stage="key")
     found = sources.resolve_sources(loaded, source_set)
-    key = cache.cache_key(key_material(found, tokenizer, settings, cache_dir))
+    key = cache.cache_key(recipe.material(found, cache_dir))
     folder = cache_dir / key
     lock = cache.KeyLock(cache_dir, key)
     heartbeat.beat("building", stage="waiting for another node's build", key=key)
@@ -222,7 +256,7 @@ def _as_builder(
                 say(f"data: cache {key} failed its check ({checked.reason}): rebuilding it")
                 shutil.rmtree(folder)
         if not cached:
-            cached = _build_into(folder, found, tokenizer, settings, heartbeat, key, say)
+            cached = _build_into(folder, found, recipe, heartbeat, key, say)
         cache.touch_used(folder)
     finally:
         heartbeat.lock = None
@@ -230,7 +264,7 @@ def _as_builder(
     removed = cache.prune(cache_dir, key)
     if removed:
         say(f"data: pruned {len(removed)} old cache(s) of {cache_dir}: {', '.join(removed)}")
-    data = MappedData(folder)
+    data = recipe.open(folder)
     seconds = time.monotonic() - started
     if cached:
         say(
@@ -240,7 +274,7 @@ def _as_builder(
     return Prepared(data, key, cached, seconds, folder)
 
 
-def _build_into(folder: Path, found, tokenizer, settings, heartbeat: Heartbeat, key: str, say) -> bool:
+def _build_into(folder: Path, found, recipe: Recipe, heartbeat: Heartbeat, key: str, say) -> bool:
     """Build the cache into ``folder``. True when another node's build got there first (then used)."""
     building = folder.parent / f"building-{key}-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
@@ -251,7 +285,7 @@ def _build_into(folder: Path, found, tokenizer, settings, heartbeat: Heartbeat, 
         heartbeat.beat("building", key=key, **progress)
 
     try:
-        result = build(found, tokenizer, settings, building, say, alive)
+        result = recipe.build(found, building, say, alive)
         result.info["skipped_lines"] = result.skipped_lines
         heartbeat.beat("building", stage="writing the manifest", key=key)
         cache.write_manifest(building, result.files, result.info)  # last: a folder with it is whole
@@ -290,7 +324,7 @@ def _put_in_place(building: Path, folder: Path, key: str, say) -> bool:
     return False
 
 
-def _wait_for_builder(note: cache.RunNote, cache_dir: Path, say) -> Prepared:
+def _wait_for_builder(note: cache.RunNote, cache_dir: Path, say, open_data: Callable[[Path], Any]) -> Prepared:
     started_wall, started = time.time(), time.monotonic()
     bound = wait_bound_s()
     last_word = started
@@ -302,7 +336,7 @@ def _wait_for_builder(note: cache.RunNote, cache_dir: Path, say) -> Prepared:
                 last_time, last_word = state["time"], time.monotonic()
             if state["state"] == "ready":
                 folder = cache_dir / state["key"]
-                data = MappedData(folder)
+                data = open_data(folder)
                 return Prepared(data, state["key"], True, time.monotonic() - started, folder)
             if state["state"] == "failed":
                 error = DataError if state.get("input") else RuntimeFailure

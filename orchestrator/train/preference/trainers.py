@@ -159,11 +159,13 @@ def trainer_class(train: TrainSpec, dz_trainer: type):
     return _dpo_class(dz_trainer, DPOTrainer)
 
 
-def as_dataset(examples: list[dict[str, Any]] | None, train: TrainSpec) -> Dataset | None:
-    """The tokenized rows as a ``datasets.Dataset`` (CPO/ORPO's maps read text columns: empty ones are given)."""
+def as_dataset(examples: list[dict[str, Any]] | Dataset | None, train: TrainSpec) -> Dataset | None:
+    """The tokenized rows as a ``datasets.Dataset`` (CPO/ORPO's maps read text columns: empty ones are given).
+
+    A ``Dataset`` (the node's mapped cache: ``stage.load_data``) is used as it is, never copied."""
     if examples is None:
         return None
-    data = Dataset.from_list(examples)
+    data = examples if isinstance(examples, Dataset) else Dataset.from_list(examples)
     if train.stage == "dpo" and train.pref_loss in ("simpo", "orpo"):
         empty = [""] * len(data)
         data = data.add_column("prompt", empty).add_column("chosen", empty).add_column("rejected", empty)

@@ -58,9 +58,11 @@ EXTENDED = {
     "tests/test_tune.py::test_tune_measures_two_candidates_and_the_next_plan_uses_the_fastest",
     # 1 s bounds: under CI's load it failed once (the builder's count of 1.2 M rows held the GIL past 1 s)
     "tests/test_data_cache_shared.py::test_a_silent_phase_longer_than_both_bounds_keeps_the_lock_and_the_waiting_rank",
-    # issue 44's further 2-rank launches (~20 s each, the resume two): test_preference_train's DPO launch stays
+    # issue 44's further 2-rank launches (~20 s each, the resume two): test_preference_train's DPO launch stays;
+    # the LoRA DPO launch serves its reference test and its merged export
     "tests/test_preference_train.py::test_lora_dpo_plans_no_reference_copy_and_its_reference_is_the_base",
-    "tests/test_preference_train.py::test_kto_trains_llama_factorys_kto_layout",
+    "tests/test_preference_train.py::test_a_lora_dpo_checkpoint_exports_merged_as_base_plus_the_adapters_delta",
+    "tests/test_preference_train.py::test_kto_trains_llama_factorys_kto_layout_and_resumes_from_its_checkpoint",
     "tests/test_preference_train.py::test_orpo_and_simpo_run_ten_steps_with_their_metrics[orpo-log_odds_ratio]",
     "tests/test_preference_train.py::test_orpo_and_simpo_run_ten_steps_with_their_metrics[simpo-reward_margin]",
     "tests/test_preference_train.py::test_a_dpo_run_stopped_and_resumed_gives_the_same_losses",

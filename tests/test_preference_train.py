@@ -214,15 +214,27 @@ def test_a_lora_dpo_checkpoint_exports_merged_as_base_plus_the_adapters_delta(lo
 
 
 def test_kto_trains_llama_factorys_kto_layout_and_resumes_from_its_checkpoint(shared_process_hosts, tmp_path):
-    # 5 steps with a checkpoint, then a relaunch resumes it to 10: a KTO checkpoint is one resume accepts.
+    # 5 steps with a checkpoint, then a relaunch resumes it to 10: a KTO checkpoint is one resume accepts ...
     job = _job(tmp_path, "kto_en_demo.json", "messages", stage="kto")
     launch = Hosts(shared_process_hosts, tmp_path, job)
     try:
         output, first = launch.run("train.max_steps=5", "train.save=true", "train.save_steps=5")
         assert "48 answers (KTO) from 48 rows" in output and "24 desirable, 24 undesirable" in output
         resumed_output, events = launch.run("train.save=true", "train.save_steps=5", "train.resume=auto")
+        # ... and one dzctl export accepts: the last checkpoint's export is the run's own end model.
+        exported = tmp_path / "exported"
+        export = launch.dzctl("export", launch.job, "--checkpoint", "latest", "--out", str(exported), "--json",
+                              "--ssh-config", str(launch.cluster.ssh_config))  # fmt: skip
     finally:
         shared_process_hosts.reset()
+    assert export.returncode == 0, export.stderr[-4000:]
+    assert json.loads(export.stdout)["step"] == 10
+    from safetensors.torch import load_file
+
+    end_model = load_file(launch.output_dir(0) / "model" / "model.safetensors")
+    assert load_file(exported / "model.safetensors").keys() == end_model.keys()
+    for name, weight in load_file(exported / "model.safetensors").items():
+        assert weight.equal(end_model[name]), name
     assert f"resume from {launch.output_dir(0) / 'checkpoint-5'}" in resumed_output
     start = next(e for e in events[len(first) :] if e["event"] == "start")
     assert start["step"] == 5

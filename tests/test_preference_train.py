@@ -88,6 +88,21 @@ class Hosts(Controller):
         return result.stdout + result.stderr, read_events(self.output_dir(0) / "progress.jsonl")
 
 
+def _the_last_checkpoint_exports_as_the_end_model(launch: Hosts, out: Path, step: int) -> None:
+    """``dzctl export`` of the last checkpoint gathers every node's shards into the run's own end model (``model/``)."""
+    from safetensors.torch import load_file
+
+    result = launch.dzctl("export", launch.job, "--checkpoint", "latest", "--out", str(out), "--json",
+                          "--ssh-config", str(launch.cluster.ssh_config))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout)["step"] == step
+    exported = load_file(out / "model.safetensors")
+    end_model = load_file(launch.output_dir(0) / "model" / "model.safetensors")
+    assert exported.keys() == end_model.keys()
+    for name, weight in exported.items():
+        assert weight.equal(end_model[name]), name
+
+
 def _steps(events) -> list[dict]:
     return [e for e in events if e["event"] == "step"]
 
@@ -221,20 +236,9 @@ def test_kto_trains_llama_factorys_kto_layout_and_resumes_from_its_checkpoint(sh
         output, first = launch.run("train.max_steps=5", "train.save=true", "train.save_steps=5")
         assert "48 answers (KTO) from 48 rows" in output and "24 desirable, 24 undesirable" in output
         resumed_output, events = launch.run("train.save=true", "train.save_steps=5", "train.resume=auto")
-        # ... and one dzctl export accepts: the last checkpoint's export is the run's own end model.
-        exported = tmp_path / "exported"
-        export = launch.dzctl("export", launch.job, "--checkpoint", "latest", "--out", str(exported), "--json",
-                              "--ssh-config", str(launch.cluster.ssh_config))  # fmt: skip
+        _the_last_checkpoint_exports_as_the_end_model(launch, tmp_path / "exported", 10)  # ... and export accepts
     finally:
         shared_process_hosts.reset()
-    assert export.returncode == 0, export.stderr[-4000:]
-    assert json.loads(export.stdout)["step"] == 10
-    from safetensors.torch import load_file
-
-    end_model = load_file(launch.output_dir(0) / "model" / "model.safetensors")
-    assert load_file(exported / "model.safetensors").keys() == end_model.keys()
-    for name, weight in load_file(exported / "model.safetensors").items():
-        assert weight.equal(end_model[name]), name
     assert f"resume from {launch.output_dir(0) / 'checkpoint-5'}" in resumed_output
     start = next(e for e in events[len(first) :] if e["event"] == "start")
     assert start["step"] == 5
@@ -260,12 +264,13 @@ def test_orpo_and_simpo_run_ten_steps_with_their_metrics(tmp_path, loss, extra):
 def test_a_dpo_run_stopped_and_resumed_gives_the_same_losses(dpo_run, shared_process_hosts, tmp_path):
     # The uninterrupted run is the default set's (20 steps, constant learning rate); this one stops at 5
     # with its checkpoint on each node, and a relaunch resumes to 10 (the frozen reference is built again,
-    # as at the start).
+    # as at the start); the last checkpoint exports as the run's end model (the policy alone, not the copy).
     _, job, _, uninterrupted, _ = dpo_run
     launch = Hosts(shared_process_hosts, tmp_path, job)
     try:
         launch.run("train.max_steps=5", "train.save=true", "train.save_steps=5")
         output, events = launch.run("train.max_steps=10", "train.save=true", "train.save_steps=5", "train.resume=auto")
+        _the_last_checkpoint_exports_as_the_end_model(launch, tmp_path / "exported", 10)
     finally:
         shared_process_hosts.reset()
     assert f"resume from {launch.output_dir(0) / 'checkpoint-5'}" in output

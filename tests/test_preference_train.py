@@ -202,11 +202,13 @@ def test_a_lora_dpo_checkpoint_exports_merged_as_base_plus_the_adapters_delta(lo
     # The trainer's own adapter at step 10 (PEFT's save of the live parameters into the checkpoint): the policy
     # alone, no "ref" adapter beside it.
     own = load_file(node0 / "checkpoint-10" / "adapter_model.safetensors")
-    assert own and all(".lora_A." in name or ".lora_B." in name for name in own), sorted(own)
+    assert own and all(name.endswith((".lora_A.weight", ".lora_B.weight")) for name in own), sorted(own)
+    assert not (node0 / "checkpoint-10" / "ref").exists()  # PEFT saves a second adapter in a folder of its name
     config = json.loads((node0 / "checkpoint-10" / "adapter_config.json").read_text())
     scale = config["lora_alpha"] / config["r"]
     base = load_file(node0 / "base" / "model.safetensors")
     out = load_file(merged / "model.safetensors")
+    assert out.keys() == base.keys()  # the base's names: nothing of the adapters left unmerged
     moved = 0
     for name, weight in base.items():
         down = name.removesuffix(".weight")

@@ -103,7 +103,7 @@ RANK = """
 import json, sys
 from pathlib import Path
 from orchestrator.spec.job import load_job
-from orchestrator.train.data import preference as cached
+from orchestrator.train.preference import cache as cached
 from orchestrator.train.data.tokenizer import build_byte_level_tokenizer
 from orchestrator.train.preference import stage
 
@@ -159,7 +159,7 @@ def test_a_changed_stage_or_max_seq_len_is_another_cache(tmp_path, tokenizer, mo
     assert max(len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in shorter.to_list()) <= 64
 
     # The same file read for another stage: the stage is in the key (a KTO cache never answers a DPO launch).
-    from orchestrator.train.data import preference as cached
+    from orchestrator.train.preference import cache as cached
 
     def key(stage_name: str) -> str:
         loaded = _stage_job(tmp_path / stage_name, stage_name, path=FIXTURES / STAGES["dpo"][0])

@@ -278,7 +278,7 @@ def build(
                         if isinstance(row, Malformed):
                             raise DataError(f"{where}: {row.reason}")
                         columns.see(row)
-                        # This cache holds SFT rows (train/data/preference.py reads dpo/kto ones): a preference
+                        # This cache holds SFT rows (train/preference/cache.py reads dpo/kto ones): a preference
                         # or KTO row is refused, never skipped (issue 44: never trained silently wrong).
                         refuse_other_stage(row, where, source.spec.columns, "sft")
                         read = read_row(row, fmt, where, options)

@@ -23,7 +23,7 @@ thread, another node broke the live lock and the node's own ranks stopped waitin
 training cache itself (``build.py``, ``holdout.py``).
 
 What is built is a ``Recipe``: SFT's (``build.py``'s token files, ``MappedData``) or a preference
-stage's (``preference.py``: ``train.stage: dpo | kto``); the key, the lock, the heartbeat, the
+stage's (``train/preference/cache.py``: ``train.stage: dpo | kto``); the key, the lock, the heartbeat, the
 check, the wait and the prune are the same for every recipe.
 """
 

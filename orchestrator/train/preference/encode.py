@@ -10,9 +10,10 @@ rejected renderings tokenize the prompt differently (a merge across the answer's
 is their common prefix and the rest goes with each answer (as TRL's own tokenization does).
 
 Rows past ``train.max_seq_len``: an answer is cut at its end (TRL's ``keep_start``); a row whose
-prompt alone fills it is dropped (counted). Every rank encodes the rows itself, in memory: the
-node's memory-mapped cache (``train/data/``) holds SFT examples and is not used here (see
-docs/preference.md).
+prompt alone fills it is dropped (counted). In a run, the node's data builder (local rank 0) calls
+``encode_rows`` on chunks of rows in its worker pool and writes the examples into the node's
+memory-mapped cache (``train/preference/cache.py``), which every rank maps; ``encode_job`` and
+``split`` are the same encoding in memory, whole (the tests hold the cache to them).
 
 ``data.eval_split`` holds out rows by the key of their content (``data/holdout.py``'s rule: the
 rows with the smallest keys), so the held-out rows do not depend on the file's order.
@@ -150,7 +151,12 @@ def encode_rows(
 
 def source_rows(loaded: LoadedJob, source_set: str) -> Iterable[tuple[str, Any, str, dict[str, str] | None]]:
     """Every row of the job's sources (``train`` or ``eval``), each source's ``max_rows`` applied."""
-    for source in sources.resolve_sources(loaded, source_set):
+    return rows_of(sources.resolve_sources(loaded, source_set))
+
+
+def rows_of(found: list[sources.Source]) -> Iterable[tuple[str, Any, str, dict[str, str] | None]]:
+    """Every row of these sources, in order, as ``encode_rows`` reads them; each source's ``max_rows`` applied."""
+    for source in found:
         for count, (where, row) in enumerate(sources.iter_rows(source), start=1):
             if source.spec.max_rows is not None and count > source.spec.max_rows:
                 break
@@ -193,16 +199,3 @@ def split(encoded: Encoded, eval_split: float | int | None) -> tuple[list[dict[s
     train = [e for e, h in zip(encoded.examples, held, strict=True) if not h]
     evaluated = [e for e, h in zip(encoded.examples, held, strict=True) if h]
     return train, evaluated
-
-
-def summary(encoded: Encoded, stage: str, max_len: int) -> str:
-    """The data line of the log."""
-    what = "pairs (chosen, rejected)" if stage == "dpo" else "answers (KTO)"
-    line = (
-        f"data ({stage}): {len(encoded.examples):,} {what} from {encoded.rows:,} rows, {len(encoded.skipped)} skipped, "
-        f"{encoded.too_long} dropped (prompt past max_seq_len {max_len}), {encoded.cut} answers cut at it"
-    )
-    if stage == "kto":
-        good = sum(1 for e in encoded.examples if e["label"])
-        line += f"; {good} desirable, {len(encoded.examples) - good} undesirable"
-    return line

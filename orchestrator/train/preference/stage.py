@@ -1,7 +1,7 @@
 """A preference stage's part of a run (``run.train`` calls these where ``train.stage`` is not sft).
 
 The data (``encode.py``'s examples, built once per node into the memory-mapped cache by
-``train/data/preference.py`` and mapped by every rank as a ``datasets.Dataset``), the reference
+``train/preference/cache.py`` and mapped by every rank as a ``datasets.Dataset``), the reference
 policy (``planning/preference/reference.py`` chooses), the TRL trainer (``trainers.py``) and the
 progress keys of its metrics.
 """
@@ -20,8 +20,8 @@ from ...planning.preference.metrics import TRL_NAMES
 from ...planning.preference.reference import WORDS, Reference, choose_reference, copy_bytes_per_gpu
 from ...planning.shape import shape_from_config
 from ...spec.job import LoadedJob
-from ..data import preference as cached
 from ..data import prepare
+from . import cache as cached
 from . import trainers
 
 

@@ -1,13 +1,13 @@
 """A preference stage's examples in the node's cache (``train.stage: dpo | kto``): built once, mapped by every rank.
 
-The same cache as SFT's (``prepare.py``: local rank 0 builds under the key's lock and heartbeat,
-the node's other ranks wait and map; ``cache.py``: key, check, prune), with its own recipe:
+The same cache as SFT's (``train/data/prepare.py``: local rank 0 builds under the key's lock and heartbeat,
+the node's other ranks wait and map; ``train/data/cache.py``: key, check, prune), with its own recipe:
 
 - **Key**: the stage, each source's files' content, format, columns and ``max_rows``; the
   tokenizer's serialization and chat template, ``data.template`` and ``data.enable_thinking``;
   ``max_seq_len``, ``on_error``, and ``data.eval_split`` with the seed of the rows' keys. A DPO and
   a KTO cache of one file, or two ``max_seq_len``, never share a key.
-- **Encoding**: ``train/preference/encode.py``'s ``encode_rows`` on chunks of ``CHUNK`` rows, in a
+- **Encoding**: ``encode.py``'s ``encode_rows`` on chunks of ``CHUNK`` rows, in a
   pool of forked workers (one per core, as SFT's builder: the node's other ranks wait meanwhile),
   so an example is exactly what the in-memory path gives (tests/test_preference_cache.py).
 - **Files**: ``train.arrow`` (and ``eval.arrow`` with ``data.eval_split``): Arrow IPC streams, one
@@ -15,7 +15,7 @@ the node's other ranks wait and map; ``cache.py``: key, check, prune), with its 
   ``completion_ids`` / ``label`` (kto), ids as ``list<int32>``, in the rows' order. That is the file
   layout ``datasets.Dataset.from_file`` memory-maps, so TRL's trainers get a ``datasets.Dataset``
   whose pages are the page cache's, shared by the node's ranks: no rank holds the rows in lists.
-- **data.eval_split**: the rows with the smallest content keys are held out (``holdout.py``'s rule,
+- **data.eval_split**: the rows with the smallest content keys are held out (``train/data/holdout.py``'s rule,
   each example a row of its own, as ``encode.split``); the builder writes every example to
   ``all.arrow`` first, then streams it into the two parts (a batch at a time) and removes it.
 
@@ -30,7 +30,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,10 @@ import pyarrow.compute as pc
 from ...planning.chattemplate import node_chat_template
 from ...planning.datarows import DataError
 from ...spec.job import LoadedJob
-from ..preference.encode import encode_rows
-from . import cache, holdout, sources
-from .build import BuildResult, Done, quiet_tokenizer, worker_count
-from .chat import make_renderer
+from ..data import cache, holdout, sources
+from ..data.build import BuildResult, Done, quiet_tokenizer, worker_count
+from ..data.chat import make_renderer
+from .encode import encode_rows, rows_of
 
 # Bump when the encoding or the files change: older caches then miss the key.
 PREFERENCE_LAYOUT = 1
@@ -96,15 +96,6 @@ def key_material(loaded: LoadedJob, found: list[sources.Source], tokenizer: Any,
         material["eval_split"] = {"split": split, "seed": spec.train.seed}
     fingerprints.save()
     return material
-
-
-def _rows(found: list[sources.Source]) -> Iterator[tuple[str, Any, str, dict[str, str] | None]]:
-    """``encode.source_rows`` over resolved sources: every row, each source's ``max_rows`` applied."""
-    for source in found:
-        for count, (where, row) in enumerate(sources.iter_rows(source), start=1):
-            if source.spec.max_rows is not None and count > source.spec.max_rows:
-                break
-            yield where, row, source.spec.format or "alpaca", source.spec.columns
 
 
 def _list_array(lists: list[list[int]]) -> pa.Array:
@@ -195,7 +186,7 @@ def build(
                         alive({"rows": totals["rows"], "rows_per_s": round(rate, 1)})
 
             chunk: list = []
-            for item in _rows(found):
+            for item in rows_of(found):
                 chunk.append(item)
                 if len(chunk) >= CHUNK:
                     pending.append(pool.apply_async(_encode_chunk, (chunk,)) if pool else Done(_encode_chunk(chunk)))

@@ -29,7 +29,7 @@ from test_train import ROOT, TIMEOUT, _env, _free_port
 
 from orchestrator.train.progress import read_events
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # the test hosts (tests/conftest.py)
 
 FIXTURES = ROOT / "tests" / "fixtures" / "preference"
 TINY = ROOT / "jobs" / "tiny-cpu.yaml"

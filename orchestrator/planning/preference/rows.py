@@ -2,8 +2,9 @@
 
 Beside ``datarows.py`` (SFT's rows), and used the same two ways: on the first rows of a local
 file by ``dzctl launch`` (``planning/inputs.py``), and on every row by the nodes
-(``orchestrator/train/data/preference.py``). The prompt is a conversation of ``(role, content)``
-turns as ``datarows`` reads it; an answer is one assistant turn, with its ``reasoning_content``.
+(``orchestrator/train/preference/encode.py``, into the node's cache by ``preference/cache.py``). The
+prompt is a conversation of ``(role, content)`` turns as ``datarows`` reads it; an answer is one
+assistant turn, with its ``reasoning_content``.
 
 Layouts read (docs/preference.md):
 

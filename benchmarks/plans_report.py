@@ -51,8 +51,8 @@ def rates_table(folder: Path) -> list[str]:
     return lines
 
 
-def predicted(result: dict, host) -> tuple[object, float]:
-    """Today's model on the launch's own job and plan, on one H100 and 125 GiB of RAM (the node's)."""
+def predicted(result: dict, host, kind_name: str = "H100", layers: int = 18) -> tuple[object, float]:
+    """Today's model on the launch's own job and plan, on one GPU of ``kind_name`` and 125 GiB of RAM (the node's)."""
     import argparse as ap
     import tempfile
 
@@ -78,12 +78,12 @@ def predicted(result: dict, host) -> tuple[object, float]:
         if recorded["zero"]["offload_optimizer"]:
             sets.append("zero.offload=all" if recorded["zero"]["offload_param"] else "zero.offload=optimizer")
         args = ap.Namespace(
-            model="qwen3-8b", seq=4096, layers=18, set=sets, env=[], port=29541, work=str(work), steps=7, rows=3000
+            model="qwen3-8b", seq=4096, layers=layers, set=sets, env=[], port=29541, work=str(work), steps=7, rows=3000
         )
         spec = launcher.job_spec(result["config"], args, "gpu", data.name, work)
         (work / "job.yaml").write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
         inputs = read_inputs(load_job(work / "job.yaml"))
-        kind = GPU_KINDS["H100"]
+        kind = GPU_KINDS[kind_name]
         speed = SpeedInputs(gpu=kind, links=Links.rated(None, kind.intra_bytes_per_s, "one GPU"), host=host)
         # The launch's plan is fixed above; GPU memory is not what is predicted here (it stays the estimate's).
         plan, _ = plan_for_job(inputs, [1], gpu_mem_gib=1000.0, host_mem_gib=125.0, speed=speed)

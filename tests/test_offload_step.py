@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from orchestrator.cli import main
 from orchestrator.planning.speed.offload import (
     ASSUMED_HOST,
+    HOST_OTHER_PASSES,
     PCIE_EFFICIENCY,
     HostOptimizer,
     host_optimizer_from_nodes,
@@ -52,14 +54,15 @@ def test_the_offloaded_step_counts_the_hosts_adamw_over_every_rank_of_the_node(t
     accumulation = planned["gradient_accumulation_steps"]
     per_gpu, link = trained / 4, 32e9 * PCIE_EFFICIENCY
     copies = per_gpu * 2 * accumulation / link + per_gpu * (2 * accumulation + 2) / link
-    assert abs(speed["optimizer_s"] - (trained / 1e9 + copies)) < 0.01
+    host_s = (1 + HOST_OTHER_PASSES) * trained / 1e9  # AdamW and DeepSpeed's other passes over the partitions
+    assert abs(speed["optimizer_s"] - (host_s + copies)) < 0.01
     assert speed["offload_modelled"] is True
-    slower_than_assumed = trained / 1e9 - trained / ASSUMED_HOST.adam_params_per_s
+    slower_than_assumed = (1 + HOST_OTHER_PASSES) * (trained / 1e9 - trained / ASSUMED_HOST.adam_params_per_s)
     assert abs(speed["optimizer_step_s"] - assumed["step_time"]["optimizer_step_s"] - slower_than_assumed) < 0.02
     assert any("--host-adam-rate 1" in note for note in speed["notes"])
-    # A node twice as slow doubles the host's AdamW part; the copies stay.
+    # A node twice as slow doubles the host's part; the copies stay.
     slower = _plan_json(tmp_path, "--host-adam-rate", "0.5")["step_time"]
-    assert abs(slower["optimizer_s"] - speed["optimizer_s"] - trained / 1e9) < 0.02
+    assert abs(slower["optimizer_s"] - speed["optimizer_s"] - host_s) < 0.02
 
 
 def test_the_slowest_node_sets_the_rate_and_the_copies_add_to_it():
@@ -72,15 +75,18 @@ def test_the_slowest_node_sets_the_rate_and_the_copies_add_to_it():
     )
     assert host is not None and host.adam_params_per_s == 0.5e9 and host.h2d_bytes_per_s == 25e9
     assert "node1" in host.source
-    # 1e9 parameters per GPU, 4 GPUs: 4e9 on the host at 0.5e9/s; per GPU at accumulation 3, 3 × 2 GB of
-    # gradients down and up, and 2 GB of weights up, at 25 GB/s (the slowest copy measured).
+    # 1e9 parameters per GPU, 4 GPUs: 4e9 on the host at 0.5e9/s, and the other passes; per GPU at
+    # accumulation 3, 3 × 2 GB of gradients down and up, and 2 GB of weights up, at 25 GB/s (the slowest copy).
     seconds = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
-    assert abs(seconds - (8.0 + 6e9 / 25e9 + 8e9 / 25e9)) < 1e-9
+    host_s = (1 + HOST_OTHER_PASSES) * 8.0
+    assert abs(seconds - (host_s + 6e9 / 25e9 + 8e9 / 25e9)) < 1e-9
     half = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0, ratio=0.5)
     assert half == offloaded_optimizer_seconds(host, 0.5e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
     # Copies not measured on any node: the GPU kind's link.
     unmeasured = HostOptimizer(0.5e9, None, "x")
-    assert offloaded_optimizer_seconds(unmeasured, 1e9, 4, 2, link_bytes_per_s=10e9) == 8.0 + 2e9 / 10e9 + 4e9 / 10e9
+    assert offloaded_optimizer_seconds(unmeasured, 1e9, 4, 2, link_bytes_per_s=10e9) == pytest.approx(
+        host_s + 2e9 / 10e9 + 4e9 / 10e9
+    )
     assert host_optimizer_from_nodes({"node0": {}}) is None
     assert HostOptimizer(1e9, None, "x").describe() == "host AdamW 1.00 G params/s (x)"
 
@@ -140,3 +146,19 @@ def test_an_override_of_the_offload_section_without_a_device_leaves_the_offload_
     planned = _plan_json(tmp_path, "--set", override)
     assert planned["zero"]["offload_optimizer"] is True
     assert planned["fits"] is True
+
+
+def test_the_offloaded_step_of_the_card_not_fitted_on_is_within_5_percent():
+    """The one constant of the host step (HOST_OTHER_PASSES) is fitted on the H100 launch; the H200 launch of the
+    same job with the optimizer offloaded, re-predicted with its own preflight's rates, is the check. Before the
+    constant the model left 1.78 s of the 9.69 s step out (+22.5 %)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import offload_fit
+    from plans_report import predicted
+
+    card, folder = offload_fit.LAUNCHES[1]
+    result = json.loads((ROOT / folder / "summary.json").read_text(encoding="utf-8"))["results"][0]
+    host = offload_fit.preflight_host((ROOT / folder / "runs.log").read_text(encoding="utf-8"))
+    _, step_s = predicted(result, host, card)
+    assert card == "H200" and host.adam_params_per_s == 4.36e9
+    assert step_s == pytest.approx(result["median_step_s"], rel=0.05)

@@ -40,6 +40,12 @@ of micro 2-16 x N = 0, 18, 36; worst within 6.1 %) gives rho 0.37, C 2,030: a th
 cost in token-times, so small micro-batches without recomputation win there. With the H200's constants
 the planner chose micro 16 with 33 of 36 layers recomputed on the H100, the slowest of four launches
 (9,799 tokens/s against 12,459 for micro 2 without recomputation, issue 42's table).
+
+Checked on launches through dzctl, fitted on one card and checked on the other (``benchmarks/lora_crosscheck.py``,
+``benchmarks/results/plans-h200x1-20261207/lora-crosscheck.txt``): the H100's constants on the four candidates of
+``dzctl tune`` on one H200 (micro 4 to 32, 0 to 33 layers recomputed) are within 5.2 % of each; the H200's
+constants on the H100's two LoRA launches are off by up to 17.8 % (micro 2 without recomputation: −17.8 %). On
+that H200 the planner's own choice (micro 4, none recomputed, 14,071 tokens/s) was the fastest of the four.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from reference_data import reference_rows
+from tinyjob import tiny_job_with_data
 
 from orchestrator.errors import InputError, RuntimeFailure
 from orchestrator.planning import datafiles
@@ -36,13 +37,7 @@ def tokenizer():
     return build_byte_level_tokenizer()
 
 
-def _job(tmp_path: Path, data: dict, *sets: str):
-    text = JOB.read_text(encoding="utf-8")
-    head, _, rest = text.partition("data:\n")
-    rest = rest[rest.index("train:") :]
-    job = tmp_path / "job.yaml"
-    job.write_text(head + "data: " + json.dumps(data) + "\n" + rest, encoding="utf-8")
-    return load_job(job, list(sets))
+_job = tiny_job_with_data
 
 
 def _prepare(loaded, tokenizer, tmp_path: Path, packing: bool = False, local_rank: int = 0, said=None):

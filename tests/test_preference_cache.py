@@ -16,16 +16,15 @@ from pathlib import Path
 
 import pytest
 from datasets.table import MemoryMappedTable
+from tinyjob import tiny_job_with_data
 
 from orchestrator.observe.lines import eval_text
-from orchestrator.spec.job import load_job
 from orchestrator.train.data import cache
 from orchestrator.train.data.tokenizer import build_byte_level_tokenizer
 from orchestrator.train.preference import encode, stage
 from orchestrator.train.progress import ProgressLog, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "jobs" / "tiny-cpu.yaml"
 FIXTURES = ROOT / "tests" / "fixtures" / "preference"
 STAGES = {"dpo": ("dpo_en_demo.json", "sharegpt"), "kto": ("kto_en_demo.json", "messages")}
 
@@ -41,14 +40,7 @@ def tokenizer():
     return build_byte_level_tokenizer()
 
 
-def _job(folder: Path, data: dict, *sets: str):
-    text = JOB.read_text(encoding="utf-8")
-    head, _, rest = text.partition("data:\n")
-    rest = rest[rest.index("train:") :]
-    folder.mkdir(parents=True, exist_ok=True)
-    job = folder / "job.yaml"
-    job.write_text(head + "data: " + json.dumps(data) + "\n" + rest, encoding="utf-8")
-    return load_job(job, list(sets))
+_job = tiny_job_with_data
 
 
 def _stage_job(folder: Path, stage_name: str, *sets: str, path: Path | None = None):

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tinyjob import tiny_job_with_data
 
 from orchestrator.errors import InputError
 from orchestrator.planning.datarows import DataError
@@ -32,12 +33,7 @@ def _job(tmp_path: Path, data: dict, *sets: str):
     if source.is_absolute():
         (tmp_path / source.name).write_bytes(source.read_bytes())
         data = {**data, "path": source.name}
-    text = JOB.read_text(encoding="utf-8")
-    head, _, rest = text.partition("data:\n")
-    rest = rest[rest.index("train:") :]
-    job = tmp_path / "job.yaml"
-    job.write_text(head + "data: " + json.dumps(data) + "\n" + rest, encoding="utf-8")
-    return load_job(job, list(sets))
+    return tiny_job_with_data(tmp_path, data, *sets)
 
 
 # --- never trained silently wrong -------------------------------------------------------------------

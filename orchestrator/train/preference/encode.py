@@ -163,7 +163,8 @@ def rows_of(found: list[sources.Source]) -> Iterable[tuple[str, Any, str, dict[s
             yield where, row, source.spec.format or "alpaca", source.spec.columns
 
 
-def encode_job(loaded: LoadedJob, tokenizer: Any, source_set: str = "train") -> Encoded:
+def refuse_synthetic(loaded: LoadedJob) -> None:
+    """``data.path: synthetic:random`` has no answers to prefer: a preference stage refuses it."""
     spec = loaded.spec
     if spec.data.synthetic:
         raise DataError(
@@ -171,6 +172,11 @@ def encode_job(loaded: LoadedJob, tokenizer: Any, source_set: str = "train") -> 
             f"train.stage: {spec.train.stage} on",
             fix="give preference rows (docs/preference.md), or set train.stage: sft for a throughput run",
         )
+
+
+def encode_job(loaded: LoadedJob, tokenizer: Any, source_set: str = "train") -> Encoded:
+    spec = loaded.spec
+    refuse_synthetic(loaded)
     renderer = make_renderer(tokenizer, node_chat_template(loaded), spec.data.enable_thinking)
     out = encode_rows(
         source_rows(loaded, source_set),

@@ -14,7 +14,6 @@ from typing import Any
 import pyarrow.compute as pc
 from datasets import Dataset
 
-from ...planning.datarows import DataError
 from ...planning.memory.preference import REFERENCE_KEY
 from ...planning.preference.metrics import TRL_NAMES
 from ...planning.preference.reference import WORDS, Reference, choose_reference, copy_bytes_per_gpu
@@ -22,7 +21,7 @@ from ...planning.shape import shape_from_config
 from ...spec.job import LoadedJob
 from ..data import prepare
 from . import cache as cached
-from . import trainers
+from . import encode, trainers
 
 
 def say(ranks, text: str) -> None:
@@ -36,12 +35,7 @@ def load_data(loaded: LoadedJob, tokenizer, ranks, output_dir: Path) -> tuple[An
     Local rank 0 builds the cache (or finds it built); the node's other ranks wait for it and map
     the same files (``data/prepare.py``). ``data.eval`` is a second cache of its own sources."""
     spec = loaded.spec
-    if spec.data.synthetic:
-        raise DataError(
-            f"{loaded.where('data.path')}: synthetic:random has no chosen or rejected answers to train "
-            f"train.stage: {spec.train.stage} on",
-            fix="give preference rows (docs/preference.md), or set train.stage: sft for a throughput run",
-        )
+    encode.refuse_synthetic(loaded)
 
     def prepared(source_set: str):
         split = spec.data.eval_split if source_set == "train" else None

@@ -17,6 +17,7 @@ from .keymap import (
     Handler,
     KeyRow,
     direct,
+    ds_config_file,
     held_out_rows,
     ignored,
     names,
@@ -44,10 +45,6 @@ SAME_MATH_PLUGINS = ("cut_cross_entropy", "CutCrossEntropyPlugin", "liger", "Lig
 LOGGING = "logging only"
 SPEED = "speed or memory only: the same training"
 NOT_TRAINING = "not part of training (preprocessing, caching, upload or inference)"
-
-
-def _model(b: Builder, key: str, value: Any) -> None:
-    b.map(key, "model.name_or_path", value)
 
 
 def _tokenizer(b: Builder, key: str, value: Any) -> None:
@@ -120,13 +117,6 @@ def _chat_template(b: Builder, key: str, value: Any) -> None:
     else:
         b.refuse(key, f"chat_template {value!r} is axolotl's own; dzctl renders auto, chatml, plain or a Jinja file",
                  "data.template")  # fmt: skip
-
-
-def _deepspeed(b: Builder, key: str, value: Any) -> None:
-    if isinstance(value, str):
-        b.map(key, "zero.config", value, "a ds_config read relative to this YAML's folder")
-    else:
-        b.refuse(key, "an inline DeepSpeed config: give it as a file", lifted_by="zero.config")
 
 
 def _bf16(b: Builder, key: str, value: Any) -> None:
@@ -244,7 +234,7 @@ def _batch_size(b: Builder, key: str, value: Any) -> None:
 
 KEYS: dict[str, Handler] = {
     # --- model ---
-    "base_model": _model,
+    "base_model": direct("model.name_or_path"),
     "base_model_config": _model_config,
     "model_type": ignored("dzctl loads the model's own class"),
     "tokenizer_type": ignored("dzctl loads the model's own tokenizer class"),
@@ -348,7 +338,7 @@ KEYS: dict[str, Handler] = {
     "torch_compile_backend": ignored(SPEED),
     "sequence_parallel_degree": ignored(SPEED + ": the sequence split across GPUs"),
     "context_parallel_size": ignored(SPEED + ": the sequence split across GPUs"),
-    "deepspeed": _deepspeed,
+    "deepspeed": ds_config_file(""),
     "fsdp": off("FSDP: dzctl shards with DeepSpeed ZeRO-3", None),
     "fsdp_config": off("FSDP: dzctl shards with DeepSpeed ZeRO-3", None),
     "fsdp_version": ignored("read only with fsdp"),

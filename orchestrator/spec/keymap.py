@@ -269,6 +269,19 @@ def refused(reason: str, lifted_by: str | None = None) -> Handler:
     return handle
 
 
+def ds_config_file(note: str) -> Handler:
+    """``deepspeed: FILE`` becomes ``zero.config`` (the path read relative to the tool's YAML, ``note`` saying how
+    the tool reads it); an inline config is refused."""
+
+    def handle(b: Builder, key: str, value: Any) -> None:
+        if isinstance(value, str):
+            b.map(key, "zero.config", value, f"a ds_config read relative to this YAML's folder{note}")
+        else:
+            b.refuse(key, "an inline DeepSpeed config: give it as a file", lifted_by="zero.config")
+
+    return handle
+
+
 def walk(b: Builder, keys: dict[str, Handler]) -> None:
     """Every top-level key of the user's YAML through its handler; one the map lacks is refused."""
     for key, value in b.raw.items():

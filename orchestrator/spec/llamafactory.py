@@ -16,6 +16,7 @@ from .keymap import (
     Builder,
     Handler,
     direct,
+    ds_config_file,
     held_out_rows,
     ignored,
     names,
@@ -42,10 +43,6 @@ OWN_TEMPLATES: dict[str, bool | None] = {"qwen3": None, "qwen3_nothink": False}
 # Qwen2.5's own template, and Qwen3's does not.
 QWEN25_ONLY = "qwen"
 BUILTIN_TEMPLATES = {"chatml": "chatml", "empty": "plain"}
-
-
-def _model(b: Builder, key: str, value: Any) -> None:
-    b.map(key, "model.name_or_path", value)
 
 
 def _from_scratch(b: Builder, key: str, value: Any) -> None:
@@ -148,18 +145,6 @@ def _eval_steps(b: Builder, key: str, value: Any) -> None:
 
 def _warmup_steps(b: Builder, key: str, value: Any) -> None:
     pass  # read with max_steps in _finish
-
-
-def _deepspeed(b: Builder, key: str, value: Any) -> None:
-    if isinstance(value, str):
-        b.map(
-            key,
-            "zero.config",
-            value,
-            "a ds_config read relative to this YAML's folder (LLaMA-Factory reads it from where it was started)",
-        )
-    else:
-        b.refuse(key, "an inline DeepSpeed config: give it as a file", lifted_by="zero.config")
 
 
 def _precision(name: str) -> Handler:
@@ -265,7 +250,7 @@ MULTIMODAL = "read only for image, video or audio rows (dzctl trains text models
 
 KEYS: dict[str, Handler] = {
     # --- model (ModelArguments) ---
-    "model_name_or_path": _model,
+    "model_name_or_path": direct("model.name_or_path"),
     "train_from_scratch": _from_scratch,
     "trust_remote_code": ignored("dzctl loads the model through its transformers class"),
     "cache_dir": ignored(NOT_TRAINING),
@@ -440,7 +425,7 @@ KEYS: dict[str, Handler] = {
     "tf32": ignored(SPEED + ": matmul precision of fp32 layers on the GPUs"),
     "gradient_checkpointing": ignored(SPEED + ": the same gradients; dzctl's planner decides checkpointing"),
     "gradient_checkpointing_kwargs": ignored(SPEED),
-    "deepspeed": _deepspeed,
+    "deepspeed": ds_config_file(" (LLaMA-Factory reads it from where it was started)"),
     "optim": optimizer,
     "ddp_timeout": ignored("dzctl sets the process group's timeouts per phase (train/hang/timeout.py)"),
     "ddp_find_unused_parameters": ignored(SPEED),

@@ -322,7 +322,7 @@ def example_plan(
             examples.append((text, spans))
             text, spans = "", []
             stats.split_rows += len(examples) == 1  # count the row once
-        start = len(prompt) if upto.startswith(prompt) else _common_chars(prompt, upto)
+        start = len(prompt) if upto.startswith(prompt) else common_prefix(prompt, upto)
         if start >= len(upto):
             stats.untrained_turns += 1
         else:
@@ -415,7 +415,8 @@ def _label_by_pieces(tokenizer: Any, texts: list[str], spans: list[Spans]) -> li
     return out
 
 
-def _common_chars(a: str, b: str) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items (characters, token ids) ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     for position in range(n):
         if a[position] != b[position]:

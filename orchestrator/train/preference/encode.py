@@ -33,7 +33,7 @@ from ...planning.datarows import DataError
 from ...planning.preference.rows import Answer, KtoRow, PreferenceRow, to_kto, to_preference
 from ...spec.job import LoadedJob
 from ..data import holdout, sources
-from ..data.chat import ChatRenderer, TurnStats, make_renderer, template_messages
+from ..data.chat import ChatRenderer, TurnStats, common_prefix, make_renderer, template_messages
 
 
 @dataclass
@@ -68,7 +68,7 @@ def answer_ids(
     messages = template_messages(turns, (*reasoning, answer.reasoning), renderer, stats)
     before = renderer.render(messages[:-1], True)
     upto = renderer.render(messages, False)
-    start = len(before) if upto.startswith(before) else _common_chars(before, upto)
+    start = len(before) if upto.startswith(before) else common_prefix(before, upto)
     if start >= len(upto):
         raise DataError("the chat template renders nothing of the answer")
     if not getattr(tokenizer, "is_fast", False):
@@ -80,22 +80,10 @@ def answer_ids(
     return ids, first
 
 
-def _common_chars(a: str, b: str) -> int:
-    return _common_prefix(a, b)
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for position in range(n):
-        if a[position] != b[position]:
-            return position
-    return n
-
-
 def encode_pair(row: PreferenceRow, tokenizer: Any, renderer: ChatRenderer, max_len: int, out: Encoded):
     chosen, first_c = answer_ids(row.prompt, row.prompt_reasoning, row.chosen, tokenizer, renderer, out.stats)
     rejected, first_r = answer_ids(row.prompt, row.prompt_reasoning, row.rejected, tokenizer, renderer, out.stats)
-    cut = min(first_c, first_r, _common_prefix(chosen, rejected))
+    cut = min(first_c, first_r, common_prefix(chosen, rejected))
     if cut >= max_len:
         out.too_long += 1
         return None

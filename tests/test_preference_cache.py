@@ -177,3 +177,20 @@ def test_a_preference_eval_event_counts_its_pairs_and_tokens(tmp_path, tokenizer
     callback.on_log(None, state, None, logs={"eval_loss": 0.6931, "eval_rewards/accuracies": 0.5})
     (event,) = [e for e in read_events(log.path) if e["event"] == "eval"]
     assert eval_text(event) == f"eval  step 4/10  eval loss 0.6931 over 4 pairs ({tokens:,} tokens)"
+
+
+@pytest.mark.parametrize("stage_name", ["dpo", "kto"])
+def test_columns_no_reader_reads_are_named_in_the_data_line(tmp_path, tokenizer, monkeypatch, stage_name):
+    """A preference row's extra columns (an id, a score) are named, never dropped silently; the ones read
+    (the prompt's, the answers', KTO's label) are not."""
+    name, _ = STAGES[stage_name]
+    rows = json.loads((FIXTURES / name).read_text(encoding="utf-8"))
+    with_extra = tmp_path / name
+    with_extra.write_text(json.dumps([{**r, "id": i, "score": 0.5} for i, r in enumerate(rows)]), encoding="utf-8")
+    said: list[str] = []
+    _load(_stage_job(tmp_path, stage_name, path=with_extra), tokenizer, tmp_path / "out", said, monkeypatch)
+    (line,) = [text for text in said if text.startswith(f"data ({stage_name})")]
+    assert line.endswith(f"; ignored in {with_extra}: id, score"), line
+    said.clear()
+    _load(_stage_job(tmp_path / "plain", stage_name), tokenizer, tmp_path / "plain" / "out", said, monkeypatch)
+    assert not any("ignored" in text for text in said), said

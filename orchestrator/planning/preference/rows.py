@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..datarows import SHAREGPT_ROLES, DataError, Messages, Reasoning, RowOptions, read_row, to_turns
+from ..datarows import SHAREGPT_ROLES, DataError, Messages, Reasoning, RowOptions, read_columns, read_row, to_turns
 
 # Where a preference or KTO column sends the row: the stage that trains it.
 PREFERENCE_COLUMNS = ("chosen", "rejected")
@@ -64,6 +64,14 @@ class KtoRow:
 
 def _column(cols: dict[str, str] | None, name: str) -> str:
     return (cols or {}).get(name, name)
+
+
+def read_columns_of(stage: str, fmt: str, columns: dict[str, str] | None = None) -> frozenset[str]:
+    """The top-level columns a ``dpo`` or ``kto`` row of ``fmt`` is read from: the format's (its prompt), the
+    answers (``chosen``/``rejected``; KTO's label column and ``completion``) and TRL's ``prompt``; the others
+    are named as ignored (train/preference/cache.py), as SFT's are."""
+    answers = PREFERENCE_COLUMNS if stage == "dpo" else (*KTO_COLUMNS, "completion")
+    return read_columns(fmt, RowOptions(columns=columns)) | {_column(columns, n) for n in (*answers, "prompt")}
 
 
 def stage_of_row(row: Any, columns: dict[str, str] | None = None) -> tuple[str, str] | None:

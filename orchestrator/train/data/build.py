@@ -271,7 +271,7 @@ def build(
                 fmt = source.spec.format or "alpaca"
                 options = RowOptions.of(source.spec)
                 rule = TrainingRule.of(source.spec)
-                columns = _Columns(read_columns(fmt, options))
+                columns = UnreadColumns(read_columns(fmt, options))
                 for where, row in _cycled(source, position, limit):
                     stat.read += 1
                     try:
@@ -360,7 +360,7 @@ def _cycled(source: sources.Source, position: list[int], limit: int | None):
             return
 
 
-class _Columns:
+class UnreadColumns:
     """The columns of a source's rows that its format does not read, named once in the data summary.
 
     A set of names per source, whatever the rows: memory stays a few names (at most ``LIMIT``)."""

@@ -40,9 +40,10 @@ import pyarrow.compute as pc
 
 from ...planning.chattemplate import node_chat_template
 from ...planning.datarows import DataError
+from ...planning.preference.rows import read_columns_of
 from ...spec.job import LoadedJob
 from ..data import cache, holdout, sources
-from ..data.build import BuildResult, Done, quiet_tokenizer, worker_count
+from ..data.build import BuildResult, Done, UnreadColumns, quiet_tokenizer, worker_count
 from ..data.chat import make_renderer
 from .encode import encode_rows, rows_of
 
@@ -159,6 +160,7 @@ def build(
     started = last_said = time.monotonic()
     totals = {"rows": 0, "skipped": 0, "too_long": 0, "cut": 0, "desirable": 0}
     skipped_lines: list[str] = []
+    ignored: dict[str, list[str]] = {}  # per source, the columns its rows hold that no reader reads
     keys: list[np.ndarray] = []
     tokens: list[np.ndarray] = []
     pending: deque = deque()
@@ -186,12 +188,19 @@ def build(
                         alive({"rows": totals["rows"], "rows_per_s": round(rate, 1)})
 
             chunk: list = []
-            for item in rows_of(found):
-                chunk.append(item)
-                if len(chunk) >= CHUNK:
-                    pending.append(pool.apply_async(_encode_chunk, (chunk,)) if pool else Done(_encode_chunk(chunk)))
-                    chunk = []
-                    drain(2 * workers)
+            for source in found:
+                unread = UnreadColumns(read_columns_of(stage, source.spec.format or "alpaca", source.spec.columns))
+                for item in rows_of([source]):
+                    unread.see(item[1])
+                    chunk.append(item)
+                    if len(chunk) >= CHUNK:
+                        pending.append(
+                            pool.apply_async(_encode_chunk, (chunk,)) if pool else Done(_encode_chunk(chunk))
+                        )
+                        chunk = []
+                        drain(2 * workers)
+                if unread.ignored():  # every column accounted for, as SFT's builder does
+                    ignored[source.display] = unread.ignored()
             if chunk:
                 pending.append(pool.apply_async(_encode_chunk, (chunk,)) if pool else Done(_encode_chunk(chunk)))
             drain(0)
@@ -217,6 +226,7 @@ def build(
         "tokens": int(all_tokens.sum()),
         "workers": workers,
         "template": renderer.description,
+        "ignored": ignored,
     }
     files: dict[str, dict[str, Any]] = {}
     if split is None:
@@ -265,4 +275,7 @@ def summary(info: dict[str, Any], max_len: int) -> str:
     )
     if stage == "kto":
         line += f"; {info['desirable']} desirable, {info['examples'] - info['desirable']} undesirable"
-    return line + f"; {info['tokens']:,} tokens (prompts and answers)"
+    line += f"; {info['tokens']:,} tokens (prompts and answers)"
+    for where, names in info.get("ignored", {}).items():
+        line += f"; ignored in {where}: {', '.join(names)}"
+    return line

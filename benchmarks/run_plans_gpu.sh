@@ -22,6 +22,8 @@
 #                       candidates, each a launch of 6 steps (the median of steps 3-6) in this one call
 #   tune-off            the same on full FT, 18 layers (on an H100: the optimizer offloaded)
 #   tune-full12         the same on full FT, 12 layers
+#   probe-pref          issue 44: benchmarks/preference_activation_probe.py (one layer's saved activations on the
+#                       preference path: HF modules, SDPA on padded pairs, TRL's fused LM head; 1 and 3 layers)
 #   hang-fr             issue 45: benchmarks/hang_flight_recorder_gpu.py (one NCCL rank, its flight recorder dumped)
 #   dpo-full-R          issue 44: DPO (sigmoid) on jobs/data/dpo-pairs.jsonl (LLaMA-Factory's dpo_en_demo layout),
 #                       full FT, 18 layers, seq 2048, auto plan (the reference a frozen copy or stored log-probs)
@@ -91,6 +93,11 @@ with open(sys.argv[2], "w") as out:
 OVR="--set=zero.overrides="
 for task in $TASKS; do
     case $task in
+        probe-pref)
+            t0=$(date +%s)
+            (cd "$HERE" && timeout 150 python3 benchmarks/preference_activation_probe.py --out "$RES") \
+                > "$RES/probe-pref.log" 2>&1
+            echo "probe-pref: exit $?, $(($(date +%s) - t0)) s"; save ;;
         hang-fr)
             t0=$(date +%s)
             (cd "$HERE" && OUT="$RES" timeout 150 python3 benchmarks/hang_flight_recorder_gpu.py) > "$RES/hang-fr.log" 2>&1

@@ -269,3 +269,28 @@ def test_gradient_check_script_passes_for_chunked_under_zero3(tmp_path):
     assert set(chunked) == {"lm_head", "final norm", "embeddings"}
     for row in chunked.values():  # against the unfused loss (fp32 reference, same weights)
         assert row["rel_error"] < 1e-5 and row["cosine"] > 0.99999 and row["reference_grad_norm"] > 0
+
+
+def test_a_preference_job_file_keeps_its_own_loss_key_while_the_plan_counts_trls_head(tmp_path):
+    """The plan counts TRL's fused LM head ("trl"), which is no value of train.fused_loss: the job file
+    the nodes read keeps the user's key, and loads. Failed before: the trainer refused its own job file
+    (`train.fused_loss: Input should be 'auto', 'liger', 'chunked' or 'none' (got 'trl')`, one H200)."""
+    from orchestrator.backends.jobfiles import job_files
+    from orchestrator.backends.launcher import memory_choice
+    from orchestrator.planning.inputs import read_inputs
+    from orchestrator.planning.launchplan import make_plan
+    from orchestrator.planning.resolve import resolve_job
+    from orchestrator.spec.hostfile import Node
+
+    loaded = load_job(ROOT / "jobs" / "qwen3-8b-dpo.yaml", [])
+    inputs = read_inputs(loaded)
+    nodes = [Node("node-a", (0, 1))]
+    memory, ds_config = memory_choice(inputs, nodes, 143771 / 1024, 256.0, 9.0)
+    assert memory.fused_loss == "trl"
+    assert memory.estimate.gpu_terms["logits + loss"] < 4 * 2**30  # TRL's tiles, not 2 x 2 rows of full logits
+    plan = make_plan(loaded.spec, nodes, "job-1")
+    resolved = resolve_job(inputs, nodes, memory, ds_config, plan, None)
+    files = {f.name: f for f in job_files(resolved, plan.nodes[0])}
+    written = tmp_path / "job.yaml"
+    written.write_bytes(files["job.yaml"].content)
+    assert load_job(written, []).spec.train.fused_loss == loaded.spec.train.fused_loss

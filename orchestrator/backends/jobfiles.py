@@ -53,7 +53,9 @@ def node_spec(job: ResolvedJob, node: NodePlan) -> dict:
     data["train"]["micro_batch_size"] = settings.micro_batch_size
     data["train"]["gradient_checkpointing"] = settings.checkpointing_setting
     data["train"]["precision"] = settings.precision
-    if settings.fused_loss is not None:
+    # "trl" is the planner's word for a preference stage's loss (TRL's own fused LM head, which
+    # train.fused_loss does not choose): the job's own value stays as written.
+    if settings.fused_loss not in (None, "trl"):
         data["train"]["fused_loss"] = settings.fused_loss
     data["zero"]["offload"] = (
         "nvme"

@@ -12,6 +12,10 @@ the trainer spends; a trainer started on a job file by hand resolves it the same
 - ``chunked``: plain torch (``orchestrator/train/model/loss.py``): the cross-entropy over
   chunks of tokens, each chunk's logits recomputed in the backward; runs anywhere.
 - ``none``: the model's own loss (full logits, upcast to fp32).
+- ``trl`` (the planner's alone, never a value of ``train.fused_loss``): a preference stage's
+  loss, which TRL's trainers compute through their own fused LM head
+  (``trl.trainer.utils.add_fused_lm_head``, 1.16): per-token log-probs in tiles of 4,096
+  tokens by 32,768 vocabulary entries, the logits never whole, beside HF's own modules.
 - ``auto``: ``liger`` for GPU jobs, ``chunked`` on CPU, for the model types whose
   causal-LM head both paths are known to reproduce; ``none`` for any other type.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-FusedLoss = Literal["liger", "chunked", "none"]
+FusedLoss = Literal["liger", "chunked", "none", "trl"]
 CHOICES = ("auto", "liger", "chunked", "none")
 
 # Dense decoder-only families whose causal-LM forward is exactly "decoder, then
@@ -41,6 +45,10 @@ def resolve(choice: str, *, accelerator: str, model_type: str | None) -> FusedLo
     # Triton has no backend; the chunked loss keeps a CPU rank's memory as small as a
     # GPU's would be, which is what CPU jobs (tests, rehearsals) are for.
     return "liger" if accelerator == "gpu" else "chunked"
+
+
+# TRL's fused LM head (trl/kernels/chunked_logprob.py, 1.16): the projection's tile, tokens by vocabulary entries.
+TRL_HEAD_TILE = (4096, 32768)
 
 
 def chunk_tokens(tokens: int, vocab_size: int, hidden_size: int) -> int:

@@ -202,7 +202,7 @@ def logits_bytes_per_token(shape: ModelShape, act: int) -> int:
     return act * v + 4 * v + 4 * v + (act * v if act < 4 else 0)
 
 
-def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss) -> int:
+def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss, *, head_trains: bool = True) -> int:
     """Bytes live at the loss's most expensive moment, beyond the final norm's saved tensors.
 
     * ``none``: the logits (``logits_bytes_per_token``) of every token.
@@ -215,6 +215,11 @@ def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss) 
       gradient, an fp32 log-sum-exp per token, and for one chunk the logits in the
       activation dtype, their fp32 copy turned into the gradient in place and that
       gradient cast back; the ``lm_head`` gradient is again the gathered-layer term.
+    * ``trl`` (a preference stage: TRL's fused LM head, ``fusedloss.TRL_HEAD_TILE``): it saves its
+      own copy of the scored hidden states (activation dtype) and an fp32 log-sum-exp and entropy
+      per token; its backward holds the hidden states' gradient in fp32 and cast back, one tile
+      of logits, and where the head trains (full fine-tuning) its whole gradient in fp32 beside
+      the gathered-layer term's.
     """
     h, v = shape.hidden_size, shape.vocab_size
     if fused_loss == "liger":
@@ -223,6 +228,11 @@ def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss) 
     if fused_loss == "chunked":
         chunk = fusedloss.chunk_tokens(tokens, v, h)
         return (act * h + 4) * tokens + (act + 4 + act) * v * chunk
+    if fused_loss == "trl":
+        tile_tokens, tile_vocab = fusedloss.TRL_HEAD_TILE
+        tile = act * min(tokens, tile_tokens) * min(v, tile_vocab)
+        head_grad = 4 * v * h if head_trains else 0
+        return (act * h + 4 * 2 + 4 * h + act * h) * tokens + tile + head_grad
     return logits_bytes_per_token(shape, act) * tokens
 
 
@@ -413,7 +423,7 @@ def estimate(
         norm_bytes_per_token(shape.hidden_size, act, weighted_output_saved=fused_loss != "liger", kernels=kernels)
         * tokens
     )
-    logits = loss_bytes(shape, act, tokens, fused_loss)
+    logits = loss_bytes(shape, act, tokens, fused_loss, head_trains=lora is None)
     checkpointed = choice.layers_checkpointed(shape.num_layers)
     if checkpointed == shape.num_layers:
         kept = shape.num_layers * act * shape.hidden_size * tokens

@@ -27,14 +27,15 @@ COPY_TERM = "reference model (frozen ZeRO-3 copy)"
 
 
 def planned_fused_loss(stage: str, fused_loss: Any) -> Any:
-    """The loss path whose logits the plan counts: TRL's trainers compute every sequence's full-vocabulary
-    logits and their log-softmax themselves, whatever dzctl's SFT loss would fuse.
+    """The loss path the plan counts: a preference stage's is TRL's own fused LM head (``trl``), with HF's
+    modules as written (dzctl applies no Liger kernel there), whatever dzctl's SFT loss would fuse.
 
-    Measured (LoRA DPO, 36 Qwen3-8B layers, micro 2 pairs at 2 x 2048, none recomputed, one H100,
-    ``benchmarks/results/plans-h100x1-20261207/dpo-lora-1``): 72.21 GiB allocated at peak, against 55.07
-    planned with Liger's fused term and 74.58 with the unfused logits (+3.3 %, the safe side).
+    TRL 1.16's trainers never build the full-vocabulary logits (``add_fused_lm_head``); planned as
+    if they did (the unfused logits, 27.8 GiB at micro 4 pairs of 2 x 2048), the 18-layer full
+    fine-tuning DPO launch on one H200 (``benchmarks/results/plans-h200x1-20261207/dpo-full-1``)
+    came out at 115.2 GiB against 85.83 measured.
     """
-    return fused_loss if stage == "sft" else "none"
+    return fused_loss if stage == "sft" else "trl"
 
 
 def planned_seq_len(stage: str, max_seq_len: int) -> int:

@@ -183,6 +183,8 @@ def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) ->
     A fetch unit without a measurement of its own takes the method's by module (scaled by the module
     costs); a method without one takes full fine-tuning's figure, as it is.
     """
+    if loss_path == "trl":  # TRL's fused head (a preference stage): timed as the model's own loss, unfused
+        loss_path = "none"
     point = MFU_MEASURED.get((kind.name, loss_path, plan.method, plan.fetch_unit))
     if point is None:
         point = MFU_MEASURED.get((kind.name, loss_path, plan.method, "module"))

@@ -15,6 +15,7 @@ layers (the head, the loss) is the intercept.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -47,20 +48,23 @@ def build(layers: int, lora: bool):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS)))
+        config_lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS))
+        # bf16 adapters, as under DeepSpeed's bf16 (PEFT would keep them in fp32 and cast every input)
+        model = get_peft_model(model, config_lora, autocast_adapter_dtype=False)
     model.train()
     return model, config
 
 
-def measure(layers: int, lora: bool, pairs: int, seq: int, mask: bool) -> dict:
+def measure(layers: int, lora: bool, pairs: int, seq: int) -> dict:
+    gc.collect()  # TRL's patched forward holds the model in a cycle: the last one's memory goes only now
+    torch.cuda.empty_cache()
     model, config = build(layers, lora)
     rows = 2 * pairs  # chosen and rejected of each pair, one batch (TRL's concatenated forward)
     ids = torch.randint(0, config.vocab_size, (rows, seq), device=DEVICE)
     labels = ids.clone()
     labels[:, : seq // 4] = -100  # the prompt is not scored
-    kwargs = {"input_ids": ids, "labels": labels, "fused_lm_head": True}
-    if mask:  # TRL pads each batch's pairs and passes the mask: SDPA then repeats K and V for every head
-        kwargs["attention_mask"] = torch.ones_like(ids)
+    # TRL pads each batch's pairs and passes the mask (SDPA then takes the heads' K and V repeated)
+    kwargs = {"input_ids": ids, "labels": labels, "fused_lm_head": True, "attention_mask": torch.ones_like(ids)}
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -76,12 +80,11 @@ def measure(layers: int, lora: bool, pairs: int, seq: int, mask: bool) -> dict:
     out.loss.backward()
     torch.cuda.synchronize()
     result = {
-        "layers": layers, "lora": lora, "mask": mask, "pairs": pairs, "seq": seq, "tokens": rows * seq,
+        "layers": layers, "lora": lora, "pairs": pairs, "seq": seq, "tokens": rows * seq,
         "kept_after_forward_gib": (after_forward - base) / GIB,
         "peak_over_weights_gib": (torch.cuda.max_memory_allocated() - base) / GIB,
     }  # fmt: skip
     del out, model
-    torch.cuda.empty_cache()
     return result
 
 
@@ -102,24 +105,22 @@ def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows = []
     for lora in (True, False):
-        for mask in (True, False):
-            points = [measure(n, lora, args.pairs, args.seq, mask) for n in (1, 3)]
-            tokens = points[0]["tokens"]
-            slope = (points[1]["kept_after_forward_gib"] - points[0]["kept_after_forward_gib"]) / 2 * GIB / tokens
-            intercept = points[0]["kept_after_forward_gib"] - slope * tokens / GIB
-            row = {
-                "lora": lora, "mask": mask, "points": points, "layer_bytes_per_token": round(slope),
-                "planned_layer_bytes_per_token": planned_bytes_per_token(lora),
-                "not_per_layer_gib": round(intercept, 3),
-            }  # fmt: skip
-            rows.append(row)
-            print(
-                f"{'LoRA r16' if lora else 'full FT '} mask {mask!s:5}: one layer keeps {slope:,.0f} B a token "
-                f"(planned {row['planned_layer_bytes_per_token']:,}); not per layer {intercept:.2f} GiB; "
-                + "; ".join(f"{p['layers']} layers: kept {p['kept_after_forward_gib']:.2f}, "
-                            f"peak {p['peak_over_weights_gib']:.2f} GiB" for p in points),
-                flush=True,
-            )  # fmt: skip
+        points = [measure(n, lora, args.pairs, args.seq) for n in (1, 3)]
+        tokens = points[0]["tokens"]
+        slope = (points[1]["kept_after_forward_gib"] - points[0]["kept_after_forward_gib"]) / 2 * GIB / tokens
+        intercept = points[0]["kept_after_forward_gib"] - slope * tokens / GIB
+        row = {
+            "lora": lora, "points": points, "layer_bytes_per_token": round(slope),
+            "planned_layer_bytes_per_token": planned_bytes_per_token(lora), "not_per_layer_gib": round(intercept, 3),
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"{'LoRA r16' if lora else 'full FT '}: one layer keeps {slope:,.0f} B a token "
+            f"(planned {row['planned_layer_bytes_per_token']:,}); not per layer {intercept:.2f} GiB; "
+            + "; ".join(f"{p['layers']} layers: kept {p['kept_after_forward_gib']:.2f}, "
+                        f"peak {p['peak_over_weights_gib']:.2f} GiB" for p in points),
+            flush=True,
+        )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"device": torch.cuda.get_device_name(), "at": time.time(), "rows": rows}

@@ -38,6 +38,7 @@ OUT=${OUT:-benchmarks/results/latest}
 WHEELS=${WHEELS:-.whl}
 CALL_S=${CALL_S:-560}
 RATIO=${RATIO:-0.9}
+TUNE_S=${TUNE_S:-540}  # the limit of each tune-* task
 # OFF_SET: extra --set arguments of the off-* launches, e.g. "--set zero.offload=optimizer" where the states fit
 # (an H200) and the offloaded step is to be measured all the same.
 OFF_SET=${OFF_SET:-}
@@ -114,9 +115,9 @@ for task in $TASKS; do
             "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
         off-super-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
             "${OVR}{zero_optimization: {offload_optimizer: {super_offload: true}}}" ;;
-        tune-lora) tune "$task" 540 auto --set train.method=lora --set train.global_batch_size=32 ;;
-        tune-off) tune "$task" 540 auto --layers 18 --set train.global_batch_size=32 $OFF_SET ;;
-        tune-full12) tune "$task" 540 auto --layers 12 --set train.global_batch_size=32 ;;
+        tune-lora) tune "$task" "$TUNE_S" auto --set train.method=lora --set train.global_batch_size=32 ;;
+        tune-off) tune "$task" "$TUNE_S" auto --layers 18 --set train.global_batch_size=32 $OFF_SET ;;
+        tune-full12) tune "$task" "$TUNE_S" auto --layers 12 --set train.global_batch_size=32 ;;
         lora-m2nock-*) launch "$task" 200 auto --set train.method=lora $G32 --set train.micro_batch_size=2 \
             --set train.gradient_checkpointing=false ;;
         lora-m*) m=${task#lora-m}; m=${m%%-*}

@@ -55,7 +55,7 @@ def build(layers: int, lora: bool):
     return model, config
 
 
-def measure(layers: int, lora: bool, pairs: int, seq: int) -> dict:
+def measure(layers: int, lora: bool, pairs: int, seq: int, padded: bool) -> dict:
     gc.collect()  # TRL's patched forward holds the model in a cycle: the last one's memory goes only now
     torch.cuda.empty_cache()
     model, config = build(layers, lora)
@@ -63,8 +63,13 @@ def measure(layers: int, lora: bool, pairs: int, seq: int) -> dict:
     ids = torch.randint(0, config.vocab_size, (rows, seq), device=DEVICE)
     labels = ids.clone()
     labels[:, : seq // 4] = -100  # the prompt is not scored
-    # TRL pads each batch's pairs and passes the mask (SDPA then takes the heads' K and V repeated)
-    kwargs = {"input_ids": ids, "labels": labels, "fused_lm_head": True, "attention_mask": torch.ones_like(ids)}
+    mask = torch.ones_like(ids)
+    if padded:  # TRL pads each batch's pairs: the shorter answers end in padding, which the mask hides
+        mask[1::2, -seq // 8 :] = 0
+        labels[1::2, -seq // 8 :] = -100
+    # A mask of ones is dropped by transformers (causal SDPA, K and V per KV head); a padded one is
+    # passed to SDPA with K and V repeated for every query head.
+    kwargs = {"input_ids": ids, "labels": labels, "fused_lm_head": True, "attention_mask": mask}
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -80,7 +85,8 @@ def measure(layers: int, lora: bool, pairs: int, seq: int) -> dict:
     out.loss.backward()
     torch.cuda.synchronize()
     result = {
-        "layers": layers, "lora": lora, "pairs": pairs, "seq": seq, "tokens": rows * seq,
+        "layers": layers, "lora": lora, "adapter_dtype": "bf16" if lora else None, "padded": padded,
+        "pairs": pairs, "seq": seq, "tokens": rows * seq,
         "kept_after_forward_gib": (after_forward - base) / GIB,
         "peak_over_weights_gib": (torch.cuda.max_memory_allocated() - base) / GIB,
     }  # fmt: skip
@@ -104,18 +110,19 @@ def main() -> int:
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows = []
-    for lora in (True, False):
-        points = [measure(n, lora, args.pairs, args.seq) for n in (1, 3)]
+    for lora, padded in ((True, True), (False, True), (True, False), (False, False)):
+        points = [measure(n, lora, args.pairs, args.seq, padded) for n in (1, 3)]
         tokens = points[0]["tokens"]
         slope = (points[1]["kept_after_forward_gib"] - points[0]["kept_after_forward_gib"]) / 2 * GIB / tokens
         intercept = points[0]["kept_after_forward_gib"] - slope * tokens / GIB
         row = {
-            "lora": lora, "points": points, "layer_bytes_per_token": round(slope),
+            "lora": lora, "padded": padded, "points": points, "layer_bytes_per_token": round(slope),
             "planned_layer_bytes_per_token": planned_bytes_per_token(lora), "not_per_layer_gib": round(intercept, 3),
         }  # fmt: skip
         rows.append(row)
         print(
-            f"{'LoRA r16' if lora else 'full FT '}: one layer keeps {slope:,.0f} B a token "
+            f"{'LoRA r16' if lora else 'full FT '}, {'padded' if padded else 'no padding'}: "
+            f"one layer keeps {slope:,.0f} B a token "
             f"(planned {row['planned_layer_bytes_per_token']:,}); not per layer {intercept:.2f} GiB; "
             + "; ".join(f"{p['layers']} layers: kept {p['kept_after_forward_gib']:.2f}, "
                         f"peak {p['peak_over_weights_gib']:.2f} GiB" for p in points),

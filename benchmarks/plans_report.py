@@ -190,6 +190,33 @@ def other_launches_table(folder: Path) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def tune_table(folder: Path) -> list[str]:
+    """Each ``dzctl tune --top N`` (tune-*/tune.json): the planner's choice (rank 1) against the fastest measured."""
+    lines = []
+    for path in sorted(folder.glob("tune-*/tune.json")):
+        tuned = json.loads(path.read_text(encoding="utf-8"))
+        done = [c for c in tuned["candidates"] if c.get("tokens_per_s")]
+        if not done:
+            continue
+        fastest = max(c["tokens_per_s"] for c in done)
+        lines += [f"{path.parent.name} ({tuned['kind']}, {tuned['key']}):",
+                  "| rank | micro | recomputed | offload | measured tokens/s | predicted | predicted / measured |"
+                  " of the fastest |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for c in tuned["candidates"]:
+            measured = c.get("tokens_per_s")
+            if not measured:
+                lines.append(f"| {c['model_rank']} | {c['micro_batch_size']} | {c['checkpointed_layers']} | "
+                             f"{c['offload']} | {c.get('error') or 'not run'} | | | |")  # fmt: skip
+                continue
+            lines.append(
+                f"| {c['model_rank']} | {c['micro_batch_size']} | {c['checkpointed_layers']} | {c['offload']} | "
+                f"{measured:,.0f} | {c['predicted_tokens_per_s']:,.0f} | "
+                f"{c['predicted_tokens_per_s'] / measured - 1:+.1%} | {measured / fastest:.1%} |"
+            )
+        lines.append("")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -200,6 +227,7 @@ def main() -> int:
         ("NCCL flight recorder", flight_recorder(folder)),
         ("recompute grids", grids_table(folder)),
         ("other launches", other_launches_table(folder)),
+        ("dzctl tune: the planner's candidates, each measured", tune_table(folder)),
     ):
         if not lines:
             continue

@@ -17,6 +17,7 @@ from orchestrator.planning.memory.estimate import (
     GIB,
     NON_TORCH_GPU_GIB,
     Choice,
+    LoraShape,
     estimate,
     layer_activation_bytes_per_token,
     logits_bytes_per_token,
@@ -177,8 +178,13 @@ TINY_LLAMA = dict(
 )
 
 
-def _saved_bytes(config: dict, layers: int, checkpointing: bool, dtype_name: str, tokens: tuple[int, int]) -> int:
-    """Bytes of distinct non-parameter tensors autograd saves in one forward of a real HF model on CPU."""
+def _saved_bytes(
+    config: dict, layers: int, checkpointing: bool, dtype_name: str, tokens: tuple[int, int], lora_r: int | None = None
+) -> int:
+    """Bytes of distinct non-parameter tensors autograd saves in one forward of a real HF model on CPU.
+
+    ``lora_r``: wrapped by PEFT with LoRA of that rank on the 7 projections, adapters in the model's dtype
+    (as DeepSpeed's bf16 makes them), the base and its norms frozen."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.for_model(**dict(config, num_hidden_layers=layers))
@@ -188,6 +194,12 @@ def _saved_bytes(config: dict, layers: int, checkpointing: bool, dtype_name: str
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_r is not None:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=targets)
+        model = get_peft_model(model, lora, autocast_adapter_dtype=False)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -212,6 +224,21 @@ def test_layer_activations_equal_what_autograd_saves(config, dtype, act):
         config, 2, False, dtype, (batch, seq)
     )
     assert per_layer == layer_activation_bytes_per_token(shape, act) * batch * seq
+
+
+def test_lora_layer_activations_equal_what_autograd_saves_with_the_norms_frozen():
+    """LoRA freezes the RMSNorm weights: HF's norm then keeps no normalised copy for the weight's gradient.
+    Failed before: the estimate counted it (26,624 B a token per Qwen3-8B layer, 7 GiB on the H100's
+    LoRA DPO launch, benchmarks/preference_peak_check.py)."""
+    shape = shape_from_config(dict(TINY_QWEN3, num_hidden_layers=1), name="tiny", source="test")
+    batch, seq, r = 2, 64, 4
+    per_layer = _saved_bytes(TINY_QWEN3, 3, False, "bfloat16", (batch, seq), lora_r=r) - _saved_bytes(
+        TINY_QWEN3, 2, False, "bfloat16", (batch, seq), lora_r=r
+    )
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    planned = layer_activation_bytes_per_token(shape, 2, norm_weights_train=False)
+    planned += LoraShape(r, targets, 0.0).activation_bytes_per_token(shape, 2)
+    assert per_layer == planned * batch * seq
 
 
 def test_checkpointing_keeps_one_hidden_state_per_layer_and_the_loss():

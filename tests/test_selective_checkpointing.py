@@ -20,7 +20,7 @@ from orchestrator.planning.memory.estimate import (
     LoraShape,
     estimate,
     layer_activation_bytes_per_token,
-    packed_attention_extra_bytes_per_token,
+    repeated_kv_bytes_per_token,
 )
 from orchestrator.planning.memory.fromjob import allowed_from, plan_for_job
 from orchestrator.planning.memory.search import Allowed, Hardware, expected_cost_per_token, plan_memory
@@ -37,7 +37,7 @@ LORA = LoraShape(16, LORA_DEFAULT_TARGETS, 0.0)
 def _peak(shape, micro, n, *, lora=None, packed=False) -> int:
     choice = Choice.with_layers(micro, n, shape.num_layers, "none")
     return estimate(
-        shape, choice, seq_len=4096, precision="bf16", world_size=1, fused_loss="liger", lora=lora, packed=packed
+        shape, choice, seq_len=4096, precision="bf16", world_size=1, fused_loss="liger", lora=lora, kv_repeated=packed
     ).gpu_peak
 
 
@@ -116,7 +116,7 @@ def test_the_estimate_is_within_5_percent_of_the_measured_peaks_on_one_h200():
 def test_packed_rows_count_the_repeated_keys_and_values_of_each_full_layer():
     # Issue 29: LoRA on the 36-layer Qwen3-8B, dropout 0, micro 5 without checkpointing on packed rows was
     # predicted 112.22 GiB and measured 119.94. torch 2.11's varlen kernel keeps k and v repeated to 32 heads.
-    extra = packed_attention_extra_bytes_per_token(QWEN3_8B, 2)
+    extra = repeated_kv_bytes_per_token(QWEN3_8B, 2)
     assert extra == 2 * 2 * (32 - 8) * 128
     plain, packed = _peak(QWEN3_8B, 5, 0, lora=LORA), _peak(QWEN3_8B, 5, 0, lora=LORA, packed=True)
     assert packed - plain == 36 * extra * 5 * 4096
@@ -131,7 +131,7 @@ def test_auto_picks_the_cheapest_layer_count_at_each_micro_batch_and_the_cheapes
     # Packed rows need the repeated k/v per full layer: micro 6 then needs more layers, and micro 4 with
     # none is cheaper (what the SFT-rows run chose through dzctl launch).
     packed = plan_memory(Q18, allowed=Allowed(), seq_len=4096, precision="bf16", gradient_accumulation_steps=1,
-                         hardware=hardware, fused_loss="liger", packed=True)  # fmt: skip
+                         hardware=hardware, fused_loss="liger", kv_repeated=True)  # fmt: skip
     assert packed.choice == Choice(4, False, "none")
     # Every fitting candidate tried costs at least the chosen one; every micro-batch got its fewest layers.
     for chosen in (plan, packed):

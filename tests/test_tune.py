@@ -98,7 +98,7 @@ def test_the_plan_ranks_its_fitting_candidates_and_tune_takes_the_top_k_with_the
         gradient_accumulation_steps=1,
         hardware=Hardware((8,), 80.0, 1000.0),
         fused_loss="liger",
-        packed=True,
+        kv_repeated=True,
     )
     assert plan.fits and len(plan.ranked) >= 4
     assert plan.ranked[0] == plan.choice  # the model's fastest is its choice

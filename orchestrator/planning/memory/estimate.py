@@ -135,20 +135,25 @@ def pinned_bytes(size: int) -> int:
 Kernels = Literal["hf", "liger"]
 
 
-def norm_bytes_per_token(width: int, act: int, *, weighted_output_saved: bool, kernels: Kernels = "hf") -> int:
+def norm_bytes_per_token(
+    width: int, act: int, *, weighted_output_saved: bool, kernels: Kernels = "hf", weight_trains: bool = True
+) -> int:
     """What one RMSNorm leaves saved per token over ``width`` values.
 
     HF's upcasts to fp32 (kept for the variance's backward; in fp32 that is the input
     itself), keeps an fp32 1/rms per row, and keeps its normalised output in the
-    activation dtype (for the weight's gradient). Liger's (ops/rms_norm.py, 0.8) keeps
-    only its input in the activation dtype and the fp32 1/rms. When a linear layer
-    reads the weighted output, that linear keeps the weighted output as well.
+    activation dtype for the weight's gradient, only where the weight trains (autograd keeps
+    no input of a product whose gradient nobody takes: LoRA's frozen norms keep fp32 alone).
+    Liger's (ops/rms_norm.py, 0.8) keeps its input in the activation dtype and the fp32 1/rms
+    either way. When a linear layer reads the weighted output, that linear keeps it as well.
     """
-    kept = act if kernels == "liger" else 4 + act
+    kept = act if kernels == "liger" else 4 + (act if weight_trains else 0)
     return (kept + (act if weighted_output_saved else 0)) * width + 4
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, act: int, kernels: Kernels = "hf") -> int:
+def layer_activation_bytes_per_token(
+    shape: ModelShape, act: int, kernels: Kernels = "hf", *, norm_weights_train: bool = True
+) -> int:
     """Bytes autograd keeps per token for one decoder layer without checkpointing.
 
     ``act`` = bytes of the activation dtype. Counted from the HF Llama/Qwen layers
@@ -163,12 +168,14 @@ def layer_activation_bytes_per_token(shape: ModelShape, act: int, kernels: Kerne
       Liger's SwiGLU keeps gate and up and recomputes SiLU in the backward (ops/swiglu.py);
     * residual adds and biases keep nothing.
     With ``kernels="liger"`` (``train.fused_loss: liger``) the norms and the MLP are
-    Liger's; its RoPE, like HF's, keeps only cos/sin.
+    Liger's; its RoPE, like HF's, keeps only cos/sin. ``norm_weights_train=False``: LoRA's frozen
+    norms (see ``norm_bytes_per_token``).
     """
     h, q, kv, i = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    total = 2 * norm_bytes_per_token(h, act, weighted_output_saved=True, kernels=kernels)
+    norms = {"kernels": kernels, "weight_trains": norm_weights_train}
+    total = 2 * norm_bytes_per_token(h, act, weighted_output_saved=True, **norms)
     if shape.qk_norm:
-        total += norm_bytes_per_token(shape.head_dim, act, weighted_output_saved=False, kernels=kernels) * (
+        total += norm_bytes_per_token(shape.head_dim, act, weighted_output_saved=False, **norms) * (
             shape.num_heads + shape.num_kv_heads
         )
     total += act * (q + 2 * kv)  # q, k, v saved by attention
@@ -177,12 +184,14 @@ def layer_activation_bytes_per_token(shape: ModelShape, act: int, kernels: Kerne
     return total
 
 
-def packed_attention_extra_bytes_per_token(shape: ModelShape, act: int) -> int:
-    """What packed rows' varlen attention (train/model/attention.py) keeps beyond SDPA's q, k, v, per layer and token.
+def repeated_kv_bytes_per_token(shape: ModelShape, act: int) -> int:
+    """What an attention that repeats K and V for every query head keeps beyond q, k, v, per layer and token.
 
-    torch 2.11's ``varlen_attn`` has no ``enable_gqa``: k and v are repeated from the KV heads to
-    every query head before the call, and those copies are what it saves for the backward
-    (benchmarks/results/attention-h200-20261130). Under checkpointing this is one layer's worth; without
+    Two paths do: packed rows' varlen attention (train/model/attention.py: torch 2.11's ``varlen_attn``
+    has no ``enable_gqa``; benchmarks/results/attention-h200-20261130), and HF's SDPA given a padding
+    mask (a preference stage's pairs, which TRL pads): on CUDA transformers takes SDPA's own GQA only
+    without a mask (``use_gqa_in_sdpa``), else it calls ``repeat_kv`` first. Either way the repeated
+    copies are what the kernel saves for the backward. Under checkpointing this is one layer's worth; without
     it every full layer's: on the 36-layer Qwen3-8B at micro 5 (LoRA, SFT rows) 8.4 GiB, the
     7.7 GiB the planner once missed (issue 29). Counted wherever the KV heads are fewer (the safe
     side on a torch whose kernel takes GQA itself).
@@ -333,7 +342,7 @@ def estimate(
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
     hpz_partition_size: int = 1,
-    packed: bool = False,
+    kv_repeated: bool = False,
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
 
@@ -412,17 +421,20 @@ def estimate(
     tokens = choice.micro_batch_size * seq_len
     act = p
     kernels: Kernels = "liger" if fused_loss == "liger" else "hf"
-    full_layer = layer_activation_bytes_per_token(shape, act, kernels) * tokens
-    if packed:
-        full_layer += packed_attention_extra_bytes_per_token(shape, act) * tokens
+    full_layer = layer_activation_bytes_per_token(shape, act, kernels, norm_weights_train=lora is None) * tokens
+    if kv_repeated:
+        full_layer += repeated_kv_bytes_per_token(shape, act) * tokens
     if lora:
         full_layer += lora.activation_bytes_per_token(shape, act) * tokens
     # A fused loss keeps the final norm's output itself (chunked) or not at all (Liger computes
     # its gradients in the forward): either way no LM head keeps a second copy.
     final_norm = (
-        norm_bytes_per_token(shape.hidden_size, act, weighted_output_saved=fused_loss != "liger", kernels=kernels)
+        norm_bytes_per_token(
+            shape.hidden_size, act, weighted_output_saved=fused_loss != "liger", kernels=kernels,
+            weight_trains=lora is None,
+        )
         * tokens
-    )
+    )  # fmt: skip
     logits = loss_bytes(shape, act, tokens, fused_loss, head_trains=lora is None)
     checkpointed = choice.layers_checkpointed(shape.num_layers)
     if checkpointed == shape.num_layers:

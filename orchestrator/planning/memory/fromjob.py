@@ -212,7 +212,8 @@ def plan_for_job(
             fused_loss=preference.planned_fused_loss(spec.train.stage, inputs.fused_loss),
             lora=lora if as_lora else None,
             nvme_path=spec.zero.nvme_path,
-            packed=inputs.packing and spec.accelerator == "gpu" and spec.train.stage == "sft",  # TRL pads its pairs
+            # Packed rows' varlen attention, or SDPA on a preference stage's padded pairs (TRL pads them)
+            kv_repeated=spec.accelerator == "gpu" and (inputs.packing or spec.train.stage != "sft"),
             fetch_unit=spec.zero.fetch_unit,
             gpu_kind=speed.gpu.name if speed is not None and speed.gpu is not None else None,
         )

@@ -105,7 +105,7 @@ class MemoryPlan:
     nvme_alternative: MemoryPlan | None = None
     lora: LoraShape | None = None  # train.method: lora
     largest_layer_params: int = 0  # sizes DeepSpeed's NVMe parameter swap buffers
-    packed: bool = False  # the rows are packed: the varlen attention's extra counts in every re-estimate
+    kv_repeated: bool = False  # the attention keeps K and V per query head (estimate.repeated_kv_bytes_per_token)
     hpz_partition_size: int = 1  # ZeRO++ hpZ chosen by planning/speed/zerochoice.py (1: off)
     # The predicted step time and the ZeRO choices' reasons (planning/speed/zerochoice.py's SpeedPlan), if made.
     speed: Any = None
@@ -353,7 +353,7 @@ def plan_memory(
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
     nvme_path: str | None = None,
-    packed: bool = False,
+    kv_repeated: bool = False,
     fetch_unit: str = "module",  # zero.fetch_unit as the spec has it (auto: resolved per candidate)
     gpu_kind: str | None = None,  # the nodes' GPU kind (steptime.GPU_KINDS' name): whose recompute costs rank
 ) -> MemoryPlan:
@@ -363,7 +363,7 @@ def plan_memory(
     far more throughput than any micro-batch or checkpointing choice: 27× measured for
     full offload, DESIGN §5); within one offload level the candidate with the lowest
     ``expected_cost_per_token`` among, at each micro-batch, the fewest checkpointed layers that
-    fit (``packed``: the rows are packed, so the varlen attention's extra counts). The work grows
+    fit (``kv_repeated``: the attention keeps K and V per query head, packed rows or padded pairs). The work grows
     as micro-batches × log2(layers) estimates. The user's gradient_accumulation_steps is
     kept as written, so train_batch_size = micro × accumulation × world.
     """
@@ -387,7 +387,7 @@ def plan_memory(
             world_size=hardware.world_size,
             fused_loss=fused_loss,
             lora=lora,
-            packed=packed,
+            kv_repeated=kv_repeated,
         )
         ok, why = _fits(est, hardware, accelerator)
         tried.append((choice, ok, why))
@@ -431,7 +431,7 @@ def plan_memory(
         lora=lora,
         nvme_path=nvme_path,
         largest_layer_params=shape.largest_layer_params,
-        packed=packed,
+        kv_repeated=kv_repeated,
     )
     if best is not None:
         est = best[1]
@@ -445,7 +445,7 @@ def plan_memory(
             **common,
         )
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, packed)
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
@@ -454,7 +454,7 @@ def plan_memory(
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
         min_nodes=smallest_fitting_nodes(
-            shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, packed
+            shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated
         ),
         **common,
     )
@@ -518,7 +518,7 @@ def _least_demanding(
     accelerator: str,
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
-    packed: bool = False,
+    kv_repeated: bool = False,
 ) -> Estimate:
     """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
 
@@ -543,7 +543,7 @@ def _least_demanding(
             world_size=hardware.world_size,
             fused_loss=fused_loss,
             lora=lora,
-            packed=packed,
+            kv_repeated=kv_repeated,
         )
         for offload in allowed.offloads(accelerator, hardware.nvme is not None)
         for choice in allowed.least_choices(offload, shape.num_layers)
@@ -560,7 +560,7 @@ def smallest_fitting_nodes(
     accelerator: str,
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
-    packed: bool = False,
+    kv_repeated: bool = False,
 ) -> int | None:
     """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
 
@@ -580,7 +580,7 @@ def smallest_fitting_nodes(
                     world_size=bigger.world_size,
                     fused_loss=fused_loss,
                     lora=lora,
-                    packed=packed,
+                    kv_repeated=kv_repeated,
                 )
                 if _fits(est, bigger, accelerator)[0]:
                     return count

@@ -379,7 +379,7 @@ def _with_settings(
             fused_loss=plan.fused_loss,
             lora=lora if plan.estimate.method == "lora" else None,
             hpz_partition_size=hpz,
-            packed=plan.packed,
+            kv_repeated=plan.kv_repeated,
         )
         if fits_hardware(est, plan.hardware, plan.accelerator)[0]:
             break

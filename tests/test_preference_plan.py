@@ -146,3 +146,19 @@ def test_the_step_time_holds_the_reference_forward(method):
     # the forward is 2 N FLOPs a token against the policy's 4 N (LoRA: no weight gradients of the base) or 6 N
     assert with_reference.compute_s / without.compute_s == pytest.approx(1.5 if method == "lora" else 4 / 3)
     assert any("preference reference: its forward is in the step time" in n for n in plans["sigmoid"].speed.notes)
+
+
+def test_dzctl_plan_of_a_dpo_job_prints_trls_loss(tmp_path):
+    """`dzctl plan` of the shipped DPO job on a GPU node: the loss line names TRL's fused head. Failed before:
+    a KeyError ('trl') took the command down."""
+    from click.testing import CliRunner
+
+    from orchestrator.cli import main
+
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost slots=1\n", encoding="utf-8")
+    args = ["plan", str(ROOT / "jobs" / "qwen3-8b-dpo.yaml"), "--hosts", str(hosts), "--gpu-mem-gib", "140"]
+    result = CliRunner().invoke(main, [*args, "--host-mem-gib", "125", "--gpu-kind", "H200"])
+    assert result.exit_code == 0, result.output
+    assert "loss: TRL's own (its fused LM head" in result.output
+    assert "(train.stage dpo: train.fused_loss not used)" in result.output

@@ -179,10 +179,18 @@ def plan_command(
     require_fit(plan, nodes_description(slots, plan.hardware.gpu_mem_gib, host_mem_gib))
 
 
+def _loss_key_words(loss_path: str, train) -> str:
+    """What of the job chose the loss: train.fused_loss, or (TRL's head) the preference stage."""
+    if loss_path == "trl":
+        return f"train.stage {train.stage}: train.fused_loss not used"
+    return f"train.fused_loss: {train.fused_loss}"
+
+
 _LOSS_TEXT = {
     "liger": "liger (fused linear cross-entropy and Liger's RMSNorm/SwiGLU/RoPE; no logits held)",
     "chunked": "chunked (cross-entropy over chunks of tokens, logits recomputed in the backward)",
     "none": "the model's own (full logits)",
+    "trl": "TRL's own (its fused LM head: log-probs in tiles, no logits held; HF's modules, no Liger kernel)",
 }
 
 
@@ -218,7 +226,7 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"{plan.train_batch_size}",
         *([f"  {choice_source_line(plan)}"] if plan.fits else []),
         global_batch_line(plan),
-        f"loss: {_LOSS_TEXT[plan.fused_loss]} (train.fused_loss: {train.fused_loss})",
+        f"loss: {_LOSS_TEXT[plan.fused_loss]} ({_loss_key_words(plan.fused_loss, train)})",
         f"ZeRO-3 fetch unit: {'each decoder layer' if plan.fetch_unit == 'layer' else 'each module'} "
         f"(zero.fetch_unit: {spec.zero.fetch_unit})",
     ]

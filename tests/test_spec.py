@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.spec.job import load_job
+from orchestrator.spec.job import JobSpec, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +57,15 @@ def test_every_problem_is_reported_with_its_own_line(tmp_path):
         f"{path}:5: train.max_seq_len: Input should be greater than or equal to 8 (got 4)",
         f"{path}:6: train.epocs: unknown key; did you mean epochs?",
     ]
+
+
+@pytest.mark.parametrize("key", ["a[b", ";[", "int", "literal['auto']"])
+def test_an_unknown_key_that_looks_like_a_pydantic_branch_name_is_named_as_typed(tmp_path, key):
+    # `;[:` loaded as {';[': None}: the key was taken for a union branch name and dropped,
+    # and the did-you-mean lookup raised IndexError instead of the located message.
+    path = tmp_path / "j.yaml"
+    path.write_text(f'name: j\nmodel: {{name_or_path: m}}\ndata: {{path: d}}\n"{key}": 1\n')
+    with pytest.raises(SpecError) as info:
+        load_job(path)
+    known = ", ".join(JobSpec.model_fields)
+    assert info.value.message.splitlines() == [f"{path}:4: {key}: unknown key; known keys: {known}"]

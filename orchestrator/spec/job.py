@@ -852,7 +852,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 def _format_validation(exc: ValidationError, lines: LineMap, overrides: tuple[str, ...]) -> str:
     messages = []
     for error in _one_per_key(exc.errors()):
-        loc = _clean_loc(error["loc"])
+        loc = _clean_loc(error)
         keyed = (error.get("ctx") or {}).get("error")
         if isinstance(keyed, KeyedValueError):  # a section's check about one of its keys: located at that key
             loc = (*loc, *keyed.key)
@@ -884,7 +884,7 @@ def _one_per_key(errors: list[dict]) -> list[dict]:
     """
     by_key: dict[KeyPath, list[dict]] = {}
     for error in errors:
-        by_key.setdefault(_clean_loc(error["loc"]), []).append(error)
+        by_key.setdefault(_clean_loc(error), []).append(error)
     merged = []
     for group in by_key.values():
         if len(group) == 1 or any(e["type"] in ("extra_forbidden", "missing") for e in group):
@@ -926,9 +926,13 @@ def _short(msg: str) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def _clean_loc(loc: tuple[Any, ...]) -> KeyPath:
+def _clean_loc(error: dict) -> KeyPath:
     # pydantic adds union branch names ("int", "constrained-int", "literal['auto']") to locations.
-    return tuple(p for p in loc if not (isinstance(p, str) and _is_branch_name(p)))
+    # An unknown key is the user's own text and may look like one (`a[b:`): it is kept whole.
+    loc = tuple(error["loc"])
+    users_key = loc[-1:] if error["type"] == "extra_forbidden" else ()
+    parents = loc[: len(loc) - len(users_key)]
+    return tuple(p for p in parents if not (isinstance(p, str) and _is_branch_name(p))) + users_key
 
 
 def _is_branch_name(part: str) -> bool:

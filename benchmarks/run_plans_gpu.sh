@@ -18,7 +18,7 @@
 #   full12-R            full FT, 12 layers, SFT rows, auto plan;  full12-mMICRO-R as for LoRA
 #   grid-lora           recompute_h200.py --lora, 36 layers, by layer: micro 2,4,8,16 x 0/half/all checkpointed
 #   grid-full12         recompute_h200.py, 12 layers: micro 2,4,8,16 x 0/half/all checkpointed
-#   tune-lora           `dzctl tune --top 4` on the LoRA job: the planner's own choice and its next three
+#   tune-lora           `dzctl tune --top TUNE_TOP` (default 4) on the LoRA job: the planner's own choice and its next three
 #                       candidates, each a launch of 6 steps (the median of steps 3-6) in this one call
 #   tune-off            the same on full FT, 18 layers (on an H100: the optimizer offloaded)
 #   tune-full12         the same on full FT, 12 layers
@@ -39,6 +39,7 @@ WHEELS=${WHEELS:-.whl}
 CALL_S=${CALL_S:-560}
 RATIO=${RATIO:-0.9}
 TUNE_S=${TUNE_S:-540}  # the limit of each tune-* task
+TUNE_TOP=${TUNE_TOP:-4}  # the candidates each tune-* task measures
 # OFF_SET: extra --set arguments of the off-* launches, e.g. "--set zero.offload=optimizer" where the states fit
 # (an H200) and the offloaded step is to be measured all the same.
 OFF_SET=${OFF_SET:-}
@@ -61,7 +62,7 @@ tune() {  # NAME LIMIT_S ARGS...: dzctl tune's candidates, in --limit-s of the c
     name=$1 limit=$2; shift 2
     if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
     t0=$(date +%s)
-    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --tune 4 --steps 6 --warmup 2 \
+    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --tune "$TUNE_TOP" --steps 6 --warmup 2 \
         --budget-s $((limit - 15)) --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
@@ -92,6 +93,8 @@ with open(sys.argv[2], "w") as out:
         row = json.loads(line)
         out.write(json.dumps({"conversations": row["conversations"] + [row["chosen"]]}) + "\n")' "$PAIRS" "$RES/sft-pairs.jsonl"
 OVR="--set=zero.overrides="
+# The offloaded launches load the cpu_adam that `rates` (or the first of them) built, not each its own build.
+EXT="--env TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
 for task in $TASKS; do
     case $task in
         probe-pref)
@@ -108,15 +111,15 @@ for task in $TASKS; do
             (cd "$HERE" && timeout 300 python3 benchmarks/offload_rates.py --params 2e9 --rounds 2 --out "$RES") \
                 > "$RES/rates.log" 2>&1
             echo "rates: exit $?, $(($(date +%s) - t0)) s"; save ;;
-        off-auto-*) launch "$task" 280 auto --layers 18 $G32 $OFF_SET ;;
-        off-ratio-*) launch "$task" 290 auto --layers 18 $G32 $OFF_SET \
+        off-auto-*) launch "$task" 280 auto --layers 18 $G32 $OFF_SET $EXT ;;
+        off-ratio-*) launch "$task" 290 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: $RATIO}}}" ;;
-        off-zenflow-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
+        off-zenflow-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
-        off-super-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET \
+        off-super-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {offload_optimizer: {super_offload: true}}}" ;;
         tune-lora) tune "$task" "$TUNE_S" auto --set train.method=lora --set train.global_batch_size=32 ;;
-        tune-off) tune "$task" "$TUNE_S" auto --layers 18 --set train.global_batch_size=32 $OFF_SET ;;
+        tune-off) tune "$task" "$TUNE_S" auto --layers 18 --set train.global_batch_size=32 $OFF_SET $EXT ;;
         tune-full12) tune "$task" "$TUNE_S" auto --layers 12 --set train.global_batch_size=32 ;;
         lora-m2nock-*) launch "$task" 200 auto --set train.method=lora $G32 --set train.micro_batch_size=2 \
             --set train.gradient_checkpointing=false ;;

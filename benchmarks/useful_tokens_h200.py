@@ -211,11 +211,17 @@ def run_tune(job: Path, args, env: dict, log) -> dict:
     try:
         done = dzctl(*argv, env=env, timeout=args.budget_s)
         stdout, stderr, code = done.stdout, done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        stdout, stderr, code = "", str(exc), "timeout"
+    except subprocess.TimeoutExpired as exc:  # what it printed so far (its candidate lines) is kept
+        partial = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        stdout, stderr, code = "", f"{partial}\n{exc}", "timeout"
+        dzctl("stop", f"{yaml.safe_load(job.read_text(encoding='utf-8'))['name']}-tune", env=env, timeout=60)
     log.write(f"===== tune: {' '.join(argv)}\n{stderr}\n{stdout}\n")
     log.flush()
     (args.out / "tune.json").write_text(stdout, encoding="utf-8")
+    # Each candidate's own progress events, so a tune cut by the time limit still leaves its finished candidates.
+    tunes = job.parent / "remote" / "tune"
+    for progress in sorted(tunes.rglob("progress.jsonl")):  # tune/ID/LABEL[/...]/progress.jsonl
+        shutil.copy(progress, args.out / f"progress-{'-'.join(progress.relative_to(tunes).parts[1:-1])}.jsonl")
     try:
         tuned = json.loads(stdout)
     except json.JSONDecodeError:

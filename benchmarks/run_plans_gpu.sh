@@ -28,6 +28,9 @@
 #   dpo-full-R          issue 44: DPO (sigmoid) on jobs/data/dpo-pairs.jsonl (LLaMA-Factory's dpo_en_demo layout),
 #                       full FT, 18 layers, seq 2048, auto plan (the reference a frozen copy or stored log-probs)
 #   dpo-lora-R          the same, LoRA r16 on all 36 layers (the reference: the base with the adapters off)
+#   trace-dpo-full      dpo-full's launch for 3 steps, its rank's CUDA allocations recorded from its start
+#                       (benchmarks/memory_trace/sitecustomize.py): what was live at its peak, by the code that
+#                       allocated it (benchmarks/cuda_memory_peak.py), against the planner's terms
 #   sftpairs-full-R     SFT on the same rows (each conversation with its chosen answer), full FT, 18 layers
 #   sftpairs-lora-R     the same, LoRA on 36 layers: the step time DPO's is compared with
 # TASKS names what runs, in order. A task is skipped when less than its own limit is left of CALL_S. Results are
@@ -133,6 +136,9 @@ for task in $TASKS; do
             --budget-s 200 --fetch-unit layer ;;
         grid-full12) grid "$task" 200 --layers 12 --micro 2,4,8,16 --checkpointed 0,half,all --budget-s 160 ;;
         dpo-full-*) launch "$task" 300 auto --layers 18 $G32 $DPO ;;
+        trace-dpo-full) (export PYTHONPATH="$HERE/benchmarks/memory_trace:$PYTHONPATH" \
+                DZCTL_BENCH_MEMORY_TRACE="$RES/$task"
+            launch "$task" 300 auto --layers 18 --set train.global_batch_size=32 --steps 3 --warmup 1 $DPO) ;;
         dpo-lora-*) launch "$task" 300 auto --set train.method=lora $G32 $DPO ;;
         sftpairs-full-*) launch "$task" 240 auto --layers 18 $G32 $SFT_PAIRS ;;
         sftpairs-lora-*) launch "$task" 240 auto --set train.method=lora $G32 $SFT_PAIRS ;;

@@ -28,6 +28,10 @@
 #   dpo-full-R          issue 44: DPO (sigmoid) on jobs/data/dpo-pairs.jsonl (LLaMA-Factory's dpo_en_demo layout),
 #                       full FT, 18 layers, seq 2048, auto plan (the reference a frozen copy or stored log-probs)
 #   dpo-lora-R          the same, LoRA r16 on all 36 layers (the reference: the base with the adapters off)
+#   ceiling-L           benchmarks/plain_pytorch_ceiling.py: the L-layer model (18 or 12) by plain PyTorch, bf16
+#                       weights and AdamW states, no DeepSpeed: micro 2,4,8 with none recomputed, full random rows
+#   synth-fullL-R       full FT, L layers (18 or 12), auto plan, on synthetic:random rows (full rows at 4,096, as
+#                       the ceiling's): the launch the ceiling is compared with, in the same call
 #   trace-dpo-full      dpo-full's launch for 3 steps, its rank's CUDA allocations recorded from its start
 #                       (benchmarks/memory_trace/sitecustomize.py): what was live at its peak, by the code that
 #                       allocated it (benchmarks/cuda_memory_peak.py), against the planner's terms
@@ -136,6 +140,14 @@ for task in $TASKS; do
             --budget-s 200 --fetch-unit layer ;;
         grid-full12) grid "$task" 200 --layers 12 --micro 2,4,8,16 --checkpointed 0,half,all --budget-s 160 ;;
         dpo-full-*) launch "$task" 300 auto --layers 18 $G32 $DPO ;;
+        ceiling-*) layers=${task#ceiling-}
+            if ! fits 170; then echo "$task: skipped, $(($(date +%s) - began)) s into the call"; continue; fi
+            t0=$(date +%s)
+            (cd "$HERE" && timeout 170 python3 benchmarks/plain_pytorch_ceiling.py --layers "$layers" --micro 2,4,8 \
+                --checkpointed 0 --budget-s 140 --out "$RES") > "$RES/$task.log" 2>&1
+            echo "$task: exit $?, $(($(date +%s) - t0)) s"; save ;;
+        synth-full*) layers=${task#synth-full}; layers=${layers%%-*}
+            launch "$task" 200 auto --layers "$layers" $G32 --set data.path=synthetic:random ;;
         trace-dpo-full) (export PYTHONPATH="$HERE/benchmarks/memory_trace:$PYTHONPATH" \
                 DZCTL_BENCH_MEMORY_TRACE="$RES/$task"
             launch "$task" 300 auto --layers 18 --set train.global_batch_size=32 --steps 3 --warmup 1 $DPO) ;;

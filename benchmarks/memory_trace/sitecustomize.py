@@ -16,6 +16,7 @@ if _OUT and "LOCAL_RANK" in os.environ:
     import torch
 
     if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the rank's own GPU, before anything allocates
         _MAX = int(os.environ.get("DZCTL_BENCH_TRACE_MAX", "4000000"))
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=_MAX)
 

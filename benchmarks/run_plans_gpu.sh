@@ -8,7 +8,7 @@
 #                       (it JIT-builds cpu_adam into TORCH_EXTENSIONS_DIR, which every later launch reuses)
 #   off-auto-R          full FT, 18 layers, SFT rows (benchmarks/sft_data.py), auto plan (on an H100 it offloads
 #                       the optimizer: the states do not fit 80 GB)
-#   off-ratio-R         the same, DeepSpeed's partial offload: offload_optimizer.ratio RATIO (default 0.9) of the
+#   off-ratio-R         the same, DeepSpeed's partial offload: offload_optimizer.ratio RATIO (default 0.5) of the
 #                       optimizer on the CPU, the rest on the GPU, sub_group_size 5e8 (the ratio splits sub-groups)
 #   off-zenflow-R       the same, ZenFlow with overlap_step (the CPU step beside the next GPU work)
 #   off-super-R         the same, offload_optimizer.super_offload (DeepSpeed's overlapped CPU step)
@@ -44,7 +44,7 @@ set -u
 OUT=${OUT:-benchmarks/results/latest}
 WHEELS=${WHEELS:-.whl}
 CALL_S=${CALL_S:-560}
-RATIO=${RATIO:-0.9}
+RATIO=${RATIO:-0.5}
 TUNE_S=${TUNE_S:-540}  # the limit of each tune-* task
 TUNE_TOP=${TUNE_TOP:-4}  # the candidates each tune-* task measures
 # OFF_SET: extra --set arguments of the off-* launches, e.g. "--set zero.offload=optimizer" where the states fit

@@ -80,8 +80,10 @@ def test_the_slowest_node_sets_the_rate_and_the_copies_add_to_it():
     seconds = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
     host_s = (1 + HOST_OTHER_PASSES) * 8.0
     assert abs(seconds - (host_s + 6e9 / 25e9 + 8e9 / 25e9)) < 1e-9
-    half = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0, ratio=0.5)
-    assert half == offloaded_optimizer_seconds(host, 0.5e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
+    # A partial offload with half of each GPU's partition stepped on the GPU: the host steps and uploads half,
+    # every gradient still goes down and up (DeepSpeed's partition_grads sends them all to the host's buffer).
+    half = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0, on_gpu_params=0.5e9)
+    assert half == pytest.approx(host_s / 2 + 6e9 / 25e9 + (6e9 + 1e9) / 25e9)
     # Copies not measured on any node: the GPU kind's link.
     unmeasured = HostOptimizer(0.5e9, None, "x")
     assert offloaded_optimizer_seconds(unmeasured, 1e9, 4, 2, link_bytes_per_s=10e9) == pytest.approx(

@@ -117,6 +117,36 @@ NORM_CHUNK = 250_000_000
 SUB_GROUP_SIZE = 1_000_000_000
 
 
+@dataclass(frozen=True)
+class PartialOffload:
+    """DeepSpeed's partial optimizer offload (ZeRO-Offload++): ``offload_optimizer.ratio`` of the sub-groups on
+    the host, the rest stepped on the GPU, from a user's ``zero.overrides`` or ``zero.config``.
+
+    DeepSpeed 0.19 (``stage3.py``, ``_create_fp32_partitions``) puts sub-group ``i`` of ``n`` on the host when
+    ``i >= int((1 - ratio) * n)``: the first ones stay on the GPU, whole sub-groups only, so with the
+    default ``sub_group_size`` (1 G elements) an 8B model's shard has a handful and a ratio near 1 keeps
+    none. Those on the GPU keep their fp32 master, Adam's two moments and an fp32 gradient there (16 bytes
+    an element); every gradient partition still goes down to the host's buffer during the backward
+    (``partition_grads`` does not look at the sub-group's device).
+    """
+
+    ratio: float
+    sub_group_size: int = 1_000_000_000
+
+    def on_gpu(self, shard_elements: int) -> int:
+        """Elements of a rank's trained shard whose optimizer stays on the GPU."""
+        groups = math.ceil(shard_elements / self.sub_group_size)
+        return min(shard_elements, int((1 - self.ratio) * groups) * self.sub_group_size)
+
+    def describe(self) -> str:
+        return f"offload_optimizer.ratio {self.ratio:g}, sub_group_size {self.sub_group_size:,}"
+
+
+# What an element of a sub-group stepped on the GPU keeps there: fp32 master, Adam m and v, fp32 gradient.
+GPU_SUB_GROUP_BYTES_PER_ELEMENT = 4 + 8 + 4
+PARTIAL_OFFLOAD_TERM = "fp32 master + Adam m,v + fp32 grads (sub-groups on the GPU)"
+
+
 def bytes_per_value(precision: Precision) -> int:
     return 4 if precision == "fp32" else 2
 
@@ -312,6 +342,8 @@ class Estimate:
     trainable_params: int = 0  # all parameters for full fine-tuning, the adapters for LoRA
     method: str = "full"  # or "lora"
     num_layers: int = 0  # decoder layers of the model (what checkpointed_layers counts against)
+    partial_offload: PartialOffload | None = None  # the user's offload_optimizer.ratio, where it applies
+    optimizer_on_gpu: int = 0  # elements of the rank's trained shard whose optimizer steps on the GPU
 
     @property
     def nvme_per_rank(self) -> int:
@@ -343,6 +375,7 @@ def estimate(
     lora: LoraShape | None = None,
     hpz_partition_size: int = 1,
     kv_repeated: bool = False,
+    partial_offload: PartialOffload | None = None,
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
 
@@ -350,6 +383,8 @@ def estimate(
     partitioned in the model dtype and have no gradients, master copies or Adam states.
     ``hpz_partition_size`` > 1 (ZeRO++ hpZ): each GPU also holds its share of a node-wide
     secondary copy of the gathered weights (model dtype, over that many GPUs).
+    ``partial_offload``: where the optimizer is offloaded to the host (not with the weights), the
+    sub-groups DeepSpeed keeps on the GPU (``PartialOffload``).
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
@@ -363,6 +398,9 @@ def estimate(
     tshard = math.ceil(trainable / world_size)
     master = 4 if p < 4 else 0  # fp32 master weights exist only in mixed precision
     adam = 8  # Adam's m and v in fp32
+    # DeepSpeed's partial offload applies where only the optimizer goes to the host.
+    partial = partial_offload if choice.offload == "optimizer" else None
+    on_gpu = partial.on_gpu(tshard) if partial else 0
 
     gpu: dict[str, int] = {}
     host: dict[str, int] = {}
@@ -385,10 +423,14 @@ def estimate(
         host["grads (pinned)"] = pinned_bytes(g * tshard)
     elif choice.offload_optimizer:
         host["grads (pinned)"] = pinned_bytes(g * tshard)
-        host["fp32 master + Adam m,v"] = (master + adam) * tshard
+        on_host = tshard - on_gpu
+        host["fp32 master + Adam m,v"] = (master + adam) * on_host
         # CPU Adam steps on fp32 gradients, pinned per sub-group.
-        groups, last = divmod(tshard, SUB_GROUP_SIZE)
-        host["fp32 grads (pinned)"] = groups * pinned_bytes(4 * SUB_GROUP_SIZE) + pinned_bytes(4 * last)
+        group_size = partial.sub_group_size if partial else SUB_GROUP_SIZE
+        groups, last = divmod(on_host, group_size)
+        host["fp32 grads (pinned)"] = groups * pinned_bytes(4 * group_size) + pinned_bytes(4 * last)
+        if on_gpu:
+            gpu[PARTIAL_OFFLOAD_TERM] = GPU_SUB_GROUP_BYTES_PER_ELEMENT * on_gpu
     else:
         gpu["grads"] = g * tshard
         gpu["fp32 master + Adam m,v"] = (master + adam) * tshard
@@ -466,7 +508,11 @@ def estimate(
         }
     # Optimizer step: activations are gone; the fp32 gradient of one sub-group is made
     # and torch's multi-tensor AdamW needs about one more such buffer of temporaries.
-    step = 0 if choice.offload_optimizer else 2 * 4 * min(tshard, SUB_GROUP_SIZE)
+    # Sub-groups stepped on the GPU under a partial offload keep their fp32 gradient (counted above); torch's
+    # AdamW over one of them still needs about one such buffer of temporaries.
+    step = 4 * min(on_gpu, partial.sub_group_size) if on_gpu else 0
+    if not choice.offload_optimizer:
+        step = 2 * 4 * min(tshard, SUB_GROUP_SIZE)
     if sum(train_terms.values()) >= step:
         gpu.update(train_terms)
         phase = "forward/backward"
@@ -483,6 +529,8 @@ def estimate(
         trainable_params=trainable,
         method="lora" if lora else "full",
         num_layers=shape.num_layers,
+        partial_offload=partial,
+        optimizer_on_gpu=on_gpu,
     )
 
 

@@ -6,6 +6,7 @@ they were read once, before any host was touched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,7 +22,7 @@ from ..speed.steptime import GpuKind
 from ..speed.usersettings import user_zero_settings
 from ..speed.zerochoice import choose_zero
 from . import globalbatch, preference
-from .estimate import Choice, LoraShape, NvmeReading, Offload, Precision, data_node_terms, estimate
+from .estimate import Choice, LoraShape, NvmeReading, Offload, PartialOffload, Precision, data_node_terms, estimate
 from .search import Allowed, Hardware, MemoryPlan, plan_memory
 
 
@@ -70,7 +71,58 @@ def allowed_from(inputs: JobInputs) -> Allowed:
         gradient_checkpointing=ckpt,
         offload=offload,
         nvme=spec.zero.nvme_path is not None,
+        partial_offload=_partial_offload(inputs, zero),
     )
+
+
+def _partial_offload_note(partial: PartialOffload, plan: MemoryPlan) -> str:
+    shard = math.ceil(plan.estimate.trainable_params / plan.world_size)
+    groups = math.ceil(shard / partial.sub_group_size)
+    on_gpu = plan.estimate.optimizer_on_gpu
+    kept = int((1 - partial.ratio) * groups)
+    if not on_gpu:  # DeepSpeed keeps whole sub-groups: a ratio near 1 over few of them keeps none
+        return (
+            f"partial offload ({partial.describe()}): no sub-group stays on the GPU (int((1 - {partial.ratio:g}) x "
+            f"{groups} sub-groups) = 0): the whole optimizer is on the host; a smaller ratio or sub_group_size "
+            "keeps some"
+        )
+    return (
+        f"partial offload ({partial.describe()}): {kept} of {groups} sub-groups, {on_gpu / 1e9:.2f} G elements per "
+        "GPU, stepped on the GPU (in the breakdown), the rest on the host"
+    )
+
+
+def _partial_offload(inputs: JobInputs, zero: Any) -> PartialOffload | None:
+    """The user's ``offload_optimizer.ratio`` (DeepSpeed's partial offload), where it keeps part on the GPU."""
+    section = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    ratio = section.get("ratio") if isinstance(section, dict) else None
+    if ratio is None or ratio == "auto":
+        return None
+    group = zero.get("sub_group_size", PartialOffload.sub_group_size)
+    if isinstance(group, float) and group.is_integer():  # YAML's 5e8
+        group = int(group)
+    spec = inputs.spec
+    where = (
+        inputs.job.where("zero.overrides")
+        if "ratio" in ((spec.zero.overrides.get("zero_optimization") or {}).get("offload_optimizer") or {})
+        else f"zero.config {spec.zero.config}"
+    )
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
+        raise InputError(
+            f"{where}: zero_optimization.offload_optimizer.ratio is {ratio!r}: DeepSpeed takes the share of the "
+            "optimizer on the host, a number from 0 to 1",
+            fix="give e.g. ratio: 0.5 (half the sub-groups stepped on the GPU), or leave it out (all on the host)",
+        )
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        if group == "auto":
+            group = PartialOffload.sub_group_size
+        else:
+            raise InputError(
+                f"{where}: zero_optimization.sub_group_size is {group!r}: DeepSpeed takes a whole number of elements"
+                + (" (YAML reads 5e8 without a dot as text)" if isinstance(group, str) else ""),
+                fix="give e.g. sub_group_size: 500000000, or leave it out (DeepSpeed's 1e9)",
+            )
+    return PartialOffload(float(ratio), int(group)) if ratio < 1 else None
 
 
 def _names_a_device(zero: Any) -> bool:
@@ -219,6 +271,8 @@ def plan_for_job(
         )
 
     plan = planned(spec.train.method == "lora")
+    if allowed.partial_offload is not None and plan.choice.offload == "optimizer":
+        plan = replace(plan, notes=(*plan.notes, _partial_offload_note(allowed.partial_offload, plan)))
     reference = None
     if plan.fits and spec.train.stage != "sft":  # the reference copy, where it fits beside the plan
         plan, reference = preference.with_reference(

@@ -27,6 +27,7 @@ from .estimate import (
     LoraShape,
     NvmeReading,
     Offload,
+    PartialOffload,
     Precision,
     estimate,
     nvme_io_per_step,
@@ -296,6 +297,8 @@ class Allowed:
     nvme: bool = False  # the job names zero.nvme_path: auto may offload there, last
     # The micro-batches auto may try (ascending; None: 1..MAX_AUTO_MICRO_BATCH): a fixed global batch's divisors.
     micro_candidates: tuple[int, ...] | None = None
+    # The user's offload_optimizer.ratio (DeepSpeed's partial offload): what an optimizer offload keeps on the GPU.
+    partial_offload: PartialOffload | None = None
 
     def offloads(self, accelerator: str, nvme_usable: bool = False) -> tuple[Offload, ...]:
         if self.offload is not None:
@@ -388,6 +391,7 @@ def plan_memory(
             fused_loss=fused_loss,
             lora=lora,
             kv_repeated=kv_repeated,
+            partial_offload=allowed.partial_offload,
         )
         ok, why = _fits(est, hardware, accelerator)
         tried.append((choice, ok, why))
@@ -544,6 +548,7 @@ def _least_demanding(
             fused_loss=fused_loss,
             lora=lora,
             kv_repeated=kv_repeated,
+            partial_offload=allowed.partial_offload,
         )
         for offload in allowed.offloads(accelerator, hardware.nvme is not None)
         for choice in allowed.least_choices(offload, shape.num_layers)
@@ -581,6 +586,7 @@ def smallest_fitting_nodes(
                     fused_loss=fused_loss,
                     lora=lora,
                     kv_repeated=kv_repeated,
+                    partial_offload=allowed.partial_offload,
                 )
                 if _fits(est, bigger, accelerator)[0]:
                     return count

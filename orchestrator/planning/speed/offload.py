@@ -95,16 +95,18 @@ def offloaded_optimizer_seconds(
     *,
     accumulation: int = 1,
     link_bytes_per_s: float,
-    ratio: float = 1.0,
+    on_gpu_params: float = 0.0,
 ) -> float:
     """What offloading adds to one optimizer step of ``accumulation`` micro-steps: the gradients' copies down
-    and up, the host's AdamW over ``ratio`` of each GPU's partition and its other passes
-    (``HOST_OTHER_PASSES``), the 16-bit weights back up.
+    and up, the host's AdamW over each GPU's partition and its other passes (``HOST_OTHER_PASSES``), the
+    16-bit weights back up. ``on_gpu_params``: a partial offload's elements stepped on the GPU
+    (``memory/estimate.py::PartialOffload``): the host steps and uploads the rest, while every gradient
+    partition still makes its trips (DeepSpeed 0.19's ``partition_grads`` sends them all to the host's buffer).
     ``link_bytes_per_s``: each way, where the node's copies were not measured."""
-    on_host = ratio * params_per_gpu
+    on_host = params_per_gpu - on_gpu_params
     up_rate = host.h2d_bytes_per_s or link_bytes_per_s
     down_rate = host.d2h_bytes_per_s or host.h2d_bytes_per_s or link_bytes_per_s
     grad_bytes = param_bytes  # DeepSpeed accumulates gradients in the model's dtype unless told otherwise
-    down = on_host * grad_bytes * accumulation / down_rate
-    up = on_host * (grad_bytes * accumulation + param_bytes) / up_rate
+    down = params_per_gpu * grad_bytes * accumulation / down_rate
+    up = (params_per_gpu * grad_bytes * accumulation + on_host * param_bytes) / up_rate
     return (1 + HOST_OTHER_PASSES) * on_host * gpus_per_node / host.adam_params_per_s + down + up

@@ -296,13 +296,16 @@ def _optimizer_s(
         return optimizer_seconds(gpu, per_gpu)
     if host is None or plan.choice.offload_param:
         return 0.0
-    return offloaded_optimizer_seconds(
+    # A partial offload's sub-groups on the GPU step there, one after another with the host's (stage3.py's step).
+    on_gpu = plan.estimate.optimizer_on_gpu
+    return optimizer_seconds(gpu, on_gpu) + offloaded_optimizer_seconds(
         host,
         per_gpu,
         gpus_per_node,
         param_bytes,
         accumulation=plan.gradient_accumulation_steps,
         link_bytes_per_s=gpu.pcie_bytes_per_s * PCIE_EFFICIENCY,
+        on_gpu_params=on_gpu,
     )
 
 
@@ -380,6 +383,7 @@ def _with_settings(
             lora=lora if plan.estimate.method == "lora" else None,
             hpz_partition_size=hpz,
             kv_repeated=plan.kv_repeated,
+            partial_offload=plan.estimate.partial_offload,
         )
         if fits_hardware(est, plan.hardware, plan.accelerator)[0]:
             break

@@ -1,0 +1,101 @@
+"""DeepSpeed's partial optimizer offload (``offload_optimizer.ratio``, ZeRO-Offload++) in the plan (issue 42).
+
+A job whose ``zero.overrides`` set a ratio runs with that share of the optimizer's sub-groups on the host and the
+rest stepped on the GPU, each keeping its fp32 master, Adam's moments and an fp32 gradient there. The planner
+used to plan the whole optimizer on the host: the GPU-resident states were missing from the peak (the unsafe
+side) and from the step. DeepSpeed keeps whole sub-groups only (``int((1 - ratio) * groups)`` of them), so the
+plan says when a ratio keeps none. Pure: ``dzctl plan`` on one H100's memory, no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from orchestrator.cli import main
+from orchestrator.planning.memory.estimate import GIB, PARTIAL_OFFLOAD_TERM, PartialOffload
+from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _plan(tmp_path: Path, *sets: str) -> tuple[int, dict | str]:
+    from zero3_h200 import MODELS
+
+    spec = {
+        "name": "partial-offload",
+        "runtime": "process",
+        "model": {
+            "name_or_path": "qwen3-8b-shape",
+            "init": "random",
+            "config": {**MODELS["qwen3-8b"], "num_hidden_layers": 18},
+        },
+        "data": {"path": "synthetic:random"},
+        "train": {"max_seq_len": 4096, "global_batch_size": 32, "save": False},
+    }
+    job, hosts = tmp_path / "job.yaml", tmp_path / "hosts.txt"
+    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    hosts.write_text("localhost slots=1\n", encoding="utf-8")
+    args = ["plan", str(job), "--hosts", str(hosts), "--gpu-mem-gib", "80", "--host-mem-gib", "125"]
+    args += ["--gpu-kind", "H100", "--host-adam-rate", "5", "--json", "--set", "zero.offload=optimizer"]
+    for item in sets:
+        args += ["--set", item]
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, json.loads(result.output) if result.exit_code == 0 else result.output
+
+
+def test_a_ratio_plans_the_sub_groups_it_keeps_on_the_gpu_and_the_host_steps_the_rest(tmp_path):
+    code, whole = _plan(tmp_path)
+    assert code == 0, whole
+    half_overrides = "zero.overrides={zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: 0.5}}}"
+    code, half = _plan(tmp_path, half_overrides)
+    assert code == 0, half
+    shard = whole["trainable_params"]  # one rank: the whole model
+    on_gpu = PartialOffload(0.5, 500_000_000).on_gpu(shard)
+    assert on_gpu == 5 * 500_000_000  # 5 of the shard's 10 sub-groups
+    gpu, host = half["breakdown"]["gpu"], half["breakdown"]["host_per_rank"]
+    assert gpu[PARTIAL_OFFLOAD_TERM] == pytest.approx(16 * on_gpu / GIB, abs=0.01)
+    assert host["fp32 master + Adam m,v"] == pytest.approx(12 * (shard - on_gpu) / GIB, abs=0.01)
+    assert whole["breakdown"]["host_per_rank"]["fp32 master + Adam m,v"] == pytest.approx(12 * shard / GIB, abs=0.01)
+    assert PARTIAL_OFFLOAD_TERM not in whole["breakdown"]["gpu"]
+    # The host steps half the elements; every gradient still makes its trips: the optimizer's part is shorter.
+    # At --host-adam-rate 5 (G/s) the host's AdamW and its other passes over 2.5 G elements are saved; the weights'
+    # upload saved and the GPU's own AdamW over them are a few percent of that.
+    saved = whole["step_time"]["optimizer_s"] - half["step_time"]["optimizer_s"]
+    assert saved == pytest.approx((1 + HOST_OTHER_PASSES) * on_gpu / 5e9, rel=0.1)
+    assert half["ds_config"]["zero_optimization"]["offload_optimizer"] == {
+        "device": "cpu",
+        "pin_memory": True,
+        "ratio": 0.5,
+    }
+    assert any("5 of 10 sub-groups" in note for note in half["notes"])
+
+
+def test_a_ratio_that_keeps_no_whole_sub_group_on_the_gpu_is_said_and_planned_as_the_full_offload(tmp_path):
+    # int((1 - 0.9) * 10) is 0 in DeepSpeed's float arithmetic as in Python's.
+    code, plan = _plan(
+        tmp_path, "zero.overrides={zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: 0.9}}}"
+    )
+    assert code == 0, plan
+    assert PARTIAL_OFFLOAD_TERM not in plan["breakdown"]["gpu"]
+    assert any("no sub-group stays on the GPU" in note for note in plan["notes"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        ("{zero_optimization: {offload_optimizer: {ratio: 1.5}}}", "offload_optimizer.ratio is 1.5"),
+        ("{zero_optimization: {offload_optimizer: {ratio: half}}}", "offload_optimizer.ratio is 'half'"),
+        ("{zero_optimization: {sub_group_size: 5e8, offload_optimizer: {ratio: 0.5}}}", "YAML reads 5e8"),
+    ],
+)
+def test_a_ratio_or_sub_group_size_deepspeed_would_refuse_names_the_override(tmp_path, overrides, said):
+    code, output = _plan(tmp_path, f"zero.overrides={overrides}")
+    assert code == 2
+    assert f"--set zero.overrides={overrides}" in output and said in output

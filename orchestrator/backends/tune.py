@@ -23,7 +23,7 @@ from ..errors import DzError, InputError
 from ..observe.hosts import gather_status, progress_history, stop_nodes
 from ..observe.store import FINAL_STATES, JobStore
 from ..planning.memory.estimate import Choice
-from ..planning.speed.calibration import DEFAULT_TOP, Calibration, Measured, key_for, tune_candidates
+from ..planning.speed.calibration import DEFAULT_TOP, Calibration, Measured, fastest, key_for, tune_candidates
 from ..spec.hostfile import Node
 from ..spec.job import LoadedJob, load_job
 from ..transport.pool import HostPool
@@ -151,10 +151,15 @@ def tune(
         result.nothing_to_tune = "only the model's choice fits these nodes: nothing to compare"
         candidates = candidates[:1]  # still measured: the calibration then says what it runs at
 
+    launched: set[int] = set()
+
     def run_candidate(rank: int, choice: Choice) -> Measured:
-        if rank == 1:  # the model's choice: launched as the plan above made it
+        if rank not in launched and rank == 1:  # the model's choice: launched as the plan above made it
+            launched.add(rank)
             return _launch_and_measure(prepared=prepared, pool=pool, options=options, progress=progress)
-        label = f"c{rank}-micro{choice.micro_batch_size}-ckpt{choice.layers_checkpointed(layers)}"
+        again = "-again" if rank in launched else ""
+        launched.add(rank)
+        label = f"c{rank}-micro{choice.micro_batch_size}-ckpt{choice.layers_checkpointed(layers)}{again}"
         sets = [*run_sets(job, node, tune_id, label, options.steps), *candidate_sets(choice, layers)]
         candidate = _job_with(job, sets)
         return _launch_and_measure(job=candidate, node=node, pool=pool, options=options, progress=progress, first=False)
@@ -202,6 +207,36 @@ def measure_each(
             )
         progress.note(f"tune: candidate {rank}: " + _outcome(outcome))
         measured.append(outcome)
+    return _first_again_if_beaten(measured, candidates, layers, run_candidate, progress)
+
+
+def _first_again_if_beaten(
+    measured: list[Measured],
+    candidates: list[Choice],
+    layers: int,
+    run_candidate: Callable[[int, Choice], Measured],
+    progress: launcher.Progress,
+) -> list[Measured]:
+    """The model's choice once more, last, where another candidate beat it; the faster of its two runs counts.
+
+    It runs first, so it alone pays what a node's first launch does: the data cache built, kernels compiled
+    for the first time, a node still freeing the memory of the job before. On one H100 it measured 10,074
+    tokens/s as a tune's first launch, just after an offloaded DPO run, against 12,700 for the same plan
+    launched alone (benchmarks/results/plans-h100x1-20261207b/tune-lora, plans-h100x1-20261207/lora-2),
+    and lost to a candidate it beats.
+    """
+    first, best = measured[0], fastest(measured)
+    if first.tokens_per_s is None or best is None or best.model_rank == 1:
+        return measured
+    progress.note(f"tune: candidate 1 again, last (another candidate was faster): {_words(candidates[0], layers)}")
+    try:
+        again = _as_candidate(run_candidate(1, candidates[0]), candidates[0], layers, 1)
+    except DzError as exc:
+        progress.note(f"tune: candidate 1 again: failed: {exc.message}")
+        return measured
+    progress.note("tune: candidate 1 again: " + _outcome(again))
+    if again.tokens_per_s is not None and again.tokens_per_s > first.tokens_per_s:
+        return [again, *measured[1:]]
     return measured
 
 

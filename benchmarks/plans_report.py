@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -190,11 +192,50 @@ def other_launches_table(folder: Path) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+TUNE_CANDIDATE = re.compile(
+    r"tune: candidate (\d+)/\d+: micro-batch (\d+), checkpointing (?:off|on in (\d+) of \d+ layers)"
+)
+PREDICTED = re.compile(r"predicted step: .* micro-step, ([\d,]+) tokens/s/GPU")
+
+
+def tune_from_progress(folder: Path, warmup: int = 2) -> dict:
+    """A tune cut by its time limit (empty tune.json): its candidates rebuilt as ``dzctl tune`` measures them, the
+    median of rank 0's tokens/s over the steps after ``warmup`` (``progress-cN-*.jsonl``), each candidate's
+    prediction from its launch's ``predicted step`` line in ``runs.log``."""
+    runs = (folder / "runs.log").read_text(encoding="utf-8").splitlines()
+    candidates = []
+    for index, line in enumerate(runs):
+        found = TUNE_CANDIDATE.search(line)
+        if not found:
+            continue
+        rank, micro, checkpointed = int(found[1]), int(found[2]), int(found[3] or 0)
+        # The candidate's own closing line has its prediction ("the model predicted N"); one cut before it closed
+        # has the predicted step of its launch, which follows the candidate's line.
+        closed = re.compile(rf"tune: candidate {rank}: .*the model predicted ([\d,]+)\)")
+        predicted = next((closed.search(x) for x in runs if closed.search(x)), None) or next(
+            (PREDICTED.search(x) for x in runs[index:] if PREDICTED.search(x)), None
+        )
+        progress = next(folder.glob(f"progress-c{rank}-*.jsonl"), None)
+        events = (
+            [json.loads(x) for x in progress.read_text(encoding="utf-8").splitlines() if x.strip()] if progress else []
+        )
+        rates = [e["tokens_per_s"] for e in events if e["event"] == "step" and e["step"] > warmup]
+        candidates.append({
+            "model_rank": rank, "micro_batch_size": micro, "checkpointed_layers": checkpointed, "offload": "none",
+            "tokens_per_s": statistics.median(rates) if rates else None,
+            "predicted_tokens_per_s": float(predicted[1].replace(",", "")) if predicted else None,
+            "error": None if rates else "no step after the warm-up (cut by the time limit)",
+            "steps": [e["step"] for e in events if e["event"] == "step"],
+        })  # fmt: skip
+    return {"kind": "from progress events: the tune was cut by its time limit", "key": "-", "candidates": candidates}
+
+
 def tune_table(folder: Path) -> list[str]:
     """Each ``dzctl tune --top N`` (tune-*/tune.json): the planner's choice (rank 1) against the fastest measured."""
     lines = []
     for path in sorted(folder.glob("tune-*/tune.json")):
-        tuned = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8").strip()
+        tuned = json.loads(text) if text else tune_from_progress(path.parent)
         done = [c for c in tuned["candidates"] if c.get("tokens_per_s")]
         if not done:
             continue

@@ -29,7 +29,10 @@ LAUNCHES = (  # (card, folder)
     ("H100", "plans-h100x1-20261207/dpo-lora-1"),
     ("H200", "plans-h200x1-20261207/dpo-full-1"),
     ("H200", "plans-h200x1-20261207b/dpo-lora-2"),
+    ("H100", "plans-h100x1-20261207b/dpo-full-2"),
 )
+# What was live at a launch's peak, by the code that allocated it (benchmarks/cuda_memory_peak.py).
+TRACES = ("plans-h100x1-20261207b/trace-dpo-full/peak-live-rank0-693.json",)
 PROBES = ("plans-h200x1-20261207b/preference-activations.json",)
 MICRO = re.compile(r"dzctl-train: 1 ranks, micro-batch (\d+), accumulation \d+")
 CHECKPOINTED = re.compile(r"activation checkpointing in (\d+) of (\d+) decoder layers")
@@ -96,6 +99,12 @@ def main() -> int:
         measured = max(result["peak_allocated_gib"])
         words = f"{result['layers']} layers, micro {result['micro']} pairs, {result['checkpointed']} recomputed"
         print(f"| {card} | {name} | {words} | {peak:.2f} | {measured:.2f} | {peak / measured - 1:+.1%} |")
+    for name in TRACES:
+        import cuda_memory_peak
+
+        summary = json.loads((RESULTS / name).read_text(encoding="utf-8"))
+        print(f"\n## what was live at the peak: {name}")
+        print("\n".join(cuda_memory_peak.lines(summary)[:12]))
     return 0
 
 

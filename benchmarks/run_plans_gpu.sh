@@ -65,12 +65,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc; grep -m1 'model name' /proc/cpuinfo; free -g | head -2
 save() { tar czf "$OUT/results.tgz" -C "$RES" . ; }
 fits() { [ $(($(date +%s) - began + $1)) -le "$CALL_S" ]; }
-tune() {  # NAME LIMIT_S ARGS...: dzctl tune's candidates, in --limit-s of the call
+tune() {  # NAME LIMIT_S ARGS...: dzctl tune's candidates, in --limit-s of the call (75 s of it left to stop a cut
+    # tune's ranks and keep its candidates' progress events: the outer timeout killed that in one call)
     name=$1 limit=$2; shift 2
     if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
     t0=$(date +%s)
     (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --tune "$TUNE_TOP" --steps 6 --warmup 2 \
-        --budget-s $((limit - 15)) --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
+        --budget-s $((limit - 75)) --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
 launch() {  # NAME LIMIT_S ARGS...

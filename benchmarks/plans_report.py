@@ -24,7 +24,6 @@ import argparse
 import json
 import pickle
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -198,10 +197,16 @@ TUNE_CANDIDATE = re.compile(
 PREDICTED = re.compile(r"predicted step: .* micro-step, ([\d,]+) tokens/s/GPU")
 
 
+def _first_match(pattern: re.Pattern, lines: list[str]) -> re.Match | None:
+    return next((found for line in lines if (found := pattern.search(line))), None)
+
+
 def tune_from_progress(folder: Path, warmup: int = 2) -> dict:
     """A tune cut by its time limit (empty tune.json): its candidates rebuilt as ``dzctl tune`` measures them, the
     median of rank 0's tokens/s over the steps after ``warmup`` (``progress-cN-*.jsonl``), each candidate's
     prediction from its launch's ``predicted step`` line in ``runs.log``."""
+    from orchestrator.backends.tune import median_tokens_per_s
+
     runs = (folder / "runs.log").read_text(encoding="utf-8").splitlines()
     candidates = []
     for index, line in enumerate(runs):
@@ -212,19 +217,17 @@ def tune_from_progress(folder: Path, warmup: int = 2) -> dict:
         # The candidate's own closing line has its prediction ("the model predicted N"); one cut before it closed
         # has the predicted step of its launch, which follows the candidate's line.
         closed = re.compile(rf"tune: candidate {rank}: .*the model predicted ([\d,]+)\)")
-        predicted = next((closed.search(x) for x in runs if closed.search(x)), None) or next(
-            (PREDICTED.search(x) for x in runs[index:] if PREDICTED.search(x)), None
-        )
+        predicted = _first_match(closed, runs) or _first_match(PREDICTED, runs[index:])
         progress = next(folder.glob(f"progress-c{rank}-*.jsonl"), None)
         events = (
             [json.loads(x) for x in progress.read_text(encoding="utf-8").splitlines() if x.strip()] if progress else []
         )
-        rates = [e["tokens_per_s"] for e in events if e["event"] == "step" and e["step"] > warmup]
+        measured = median_tokens_per_s(events, warmup)  # as dzctl tune measures each candidate
         candidates.append({
             "model_rank": rank, "micro_batch_size": micro, "checkpointed_layers": checkpointed, "offload": "none",
-            "tokens_per_s": statistics.median(rates) if rates else None,
+            "tokens_per_s": measured,
             "predicted_tokens_per_s": float(predicted[1].replace(",", "")) if predicted else None,
-            "error": None if rates else "no step after the warm-up (cut by the time limit)",
+            "error": None if measured else "no step after the warm-up (cut by the time limit)",
             "steps": [e["step"] for e in events if e["event"] == "step"],
         })  # fmt: skip
     return {"kind": "from progress events: the tune was cut by its time limit", "key": "-", "candidates": candidates}

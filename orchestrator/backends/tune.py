@@ -154,12 +154,12 @@ def tune(
     launched: set[int] = set()
 
     def run_candidate(rank: int, choice: Choice) -> Measured:
-        if rank not in launched and rank == 1:  # the model's choice: launched as the plan above made it
-            launched.add(rank)
-            return _launch_and_measure(prepared=prepared, pool=pool, options=options, progress=progress)
-        again = "-again" if rank in launched else ""
+        again = rank in launched  # the model's choice run once more, last (_first_again_if_beaten)
         launched.add(rank)
-        label = f"c{rank}-micro{choice.micro_batch_size}-ckpt{choice.layers_checkpointed(layers)}{again}"
+        if rank == 1 and not again:  # the model's choice: launched as the plan above made it
+            return _launch_and_measure(prepared=prepared, pool=pool, options=options, progress=progress)
+        label = f"c{rank}-micro{choice.micro_batch_size}-ckpt{choice.layers_checkpointed(layers)}"
+        label += "-again" if again else ""
         sets = [*run_sets(job, node, tune_id, label, options.steps), *candidate_sets(choice, layers)]
         candidate = _job_with(job, sets)
         return _launch_and_measure(job=candidate, node=node, pool=pool, options=options, progress=progress, first=False)

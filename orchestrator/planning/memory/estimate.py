@@ -131,12 +131,16 @@ class PartialOffload:
     """
 
     ratio: float
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = SUB_GROUP_SIZE
+
+    def groups_on_gpu(self, shard_elements: int) -> tuple[int, int]:
+        """(sub-groups kept on the GPU, sub-groups) of a rank's trained shard, as DeepSpeed counts them."""
+        groups = math.ceil(shard_elements / self.sub_group_size)
+        return int((1 - self.ratio) * groups), groups
 
     def on_gpu(self, shard_elements: int) -> int:
         """Elements of a rank's trained shard whose optimizer stays on the GPU."""
-        groups = math.ceil(shard_elements / self.sub_group_size)
-        return min(shard_elements, int((1 - self.ratio) * groups) * self.sub_group_size)
+        return min(shard_elements, self.groups_on_gpu(shard_elements)[0] * self.sub_group_size)
 
     def describe(self) -> str:
         return f"offload_optimizer.ratio {self.ratio:g}, sub_group_size {self.sub_group_size:,}"
@@ -508,11 +512,14 @@ def estimate(
         }
     # Optimizer step: activations are gone; the fp32 gradient of one sub-group is made
     # and torch's multi-tensor AdamW needs about one more such buffer of temporaries.
-    # Sub-groups stepped on the GPU under a partial offload keep their fp32 gradient (counted above); torch's
-    # AdamW over one of them still needs about one such buffer of temporaries.
-    step = 4 * min(on_gpu, partial.sub_group_size) if on_gpu else 0
     if not choice.offload_optimizer:
         step = 2 * 4 * min(tshard, SUB_GROUP_SIZE)
+    elif on_gpu:
+        # Sub-groups stepped on the GPU under a partial offload keep their fp32 gradient (counted above); torch's
+        # AdamW over one of them still needs about one such buffer of temporaries.
+        step = 4 * min(on_gpu, partial.sub_group_size)
+    else:
+        step = 0
     if sum(train_terms.values()) >= step:
         gpu.update(train_terms)
         phase = "forward/backward"

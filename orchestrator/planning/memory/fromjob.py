@@ -76,10 +76,8 @@ def allowed_from(inputs: JobInputs) -> Allowed:
 
 
 def _partial_offload_note(partial: PartialOffload, plan: MemoryPlan) -> str:
-    shard = math.ceil(plan.estimate.trainable_params / plan.world_size)
-    groups = math.ceil(shard / partial.sub_group_size)
+    kept, groups = partial.groups_on_gpu(math.ceil(plan.estimate.trainable_params / plan.world_size))
     on_gpu = plan.estimate.optimizer_on_gpu
-    kept = int((1 - partial.ratio) * groups)
     if not on_gpu:  # DeepSpeed keeps whole sub-groups: a ratio near 1 over few of them keeps none
         return (
             f"partial offload ({partial.describe()}): no sub-group stays on the GPU (int((1 - {partial.ratio:g}) x "
@@ -98,8 +96,10 @@ def _partial_offload(inputs: JobInputs, zero: Any) -> PartialOffload | None:
     ratio = section.get("ratio") if isinstance(section, dict) else None
     if ratio is None or ratio == "auto":
         return None
-    group = zero.get("sub_group_size", PartialOffload.sub_group_size)
-    if isinstance(group, float) and group.is_integer():  # YAML's 5e8
+    group = zero.get("sub_group_size", "auto")
+    if group == "auto":
+        group = PartialOffload.sub_group_size
+    elif isinstance(group, float) and group.is_integer():  # YAML's 5e8
         group = int(group)
     spec = inputs.spec
     where = (
@@ -114,14 +114,11 @@ def _partial_offload(inputs: JobInputs, zero: Any) -> PartialOffload | None:
             fix="give e.g. ratio: 0.5 (half the sub-groups stepped on the GPU), or leave it out (all on the host)",
         )
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        if group == "auto":
-            group = PartialOffload.sub_group_size
-        else:
-            raise InputError(
-                f"{where}: zero_optimization.sub_group_size is {group!r}: DeepSpeed takes a whole number of elements"
-                + (" (YAML reads 5e8 without a dot as text)" if isinstance(group, str) else ""),
-                fix="give e.g. sub_group_size: 500000000, or leave it out (DeepSpeed's 1e9)",
-            )
+        raise InputError(
+            f"{where}: zero_optimization.sub_group_size is {group!r}: DeepSpeed takes a whole number of elements"
+            + (" (YAML reads 5e8 without a dot as text)" if isinstance(group, str) else ""),
+            fix="give e.g. sub_group_size: 500000000, or leave it out (DeepSpeed's 1e9)",
+        )
     return PartialOffload(float(ratio), int(group)) if ratio < 1 else None
 
 

@@ -11,9 +11,11 @@
    offload.py), so each row is out of sample.
 3. The NCCL flight recorder of issue 45's one-rank check (``hang-flight-recorder/``), if present.
 4. The recompute grids (``recompute-*.json``: ``benchmarks/recompute_h200.py``) and their fit.
-5. The other launches (``lora-*``, ``before-lora-*``, ``dpo-*``, ``sftpairs-*``): the plan the launch itself
-   made (its ``dzctl-train`` line), its predicted tokens/s (its ``predicted step`` line), measured tokens/s and
-   step, and the measured peak.
+5. The other launches (``lora-*``, ``before-lora-*``, ``dpo-*``, ``sftpairs-*``, ``full12-*``, ``synth-*``, and
+   ``off-*`` where table 2 is not made): the plan the launch itself made (its ``dzctl-train`` line), its
+   predicted tokens/s (its ``predicted step`` line), measured tokens/s and step, and the measured peak.
+6. The plain-PyTorch ceiling (``plain-pytorch-L.json``) against dzctl's launch of the same rows.
+7. ``dzctl tune``'s candidates (``tune-*/tune.json``, or their progress events where the tune was cut).
 
 A table whose files are not in the folder is left out.
 """
@@ -175,10 +177,16 @@ def other_launches_table(folder: Path) -> list[str]:
         "measured peak GiB |",
         "|---|---|---|---|---|",
     ]
-    names = ("lora-*", "before-lora-*", "dpo-*", "sftpairs-*")
+    names = ["lora-*", "before-lora-*", "dpo-*", "sftpairs-*", "full12-*", "synth-*"]
+    if not (folder / "offload-rates.json").is_file():  # else in the offload launches' table
+        names.append("off-*")
     for path in sorted(p for pattern in names for p in folder.glob(f"{pattern}/summary.json")):
         result = json.loads(path.read_text(encoding="utf-8"))["results"][0]
         runs = (path.parent / "runs.log").read_text(encoding="utf-8")
+        if "useful_tokens_per_s_per_gpu" not in result:
+            error = next((x for x in runs.splitlines() if x.startswith("error: ")), "no step measured")
+            lines.append(f"| {path.parent.name} | failed: {error.split(': ', 2)[-1]} |")
+            continue
         micro = _line_value(runs, "dzctl-train: 1 ranks", "micro-batch ", ",")
         accumulation = _line_value(runs, "dzctl-train: 1 ranks", "accumulation ", ",")
         checkpointing = _line_value(runs, "dzctl-train: 1 ranks", "gradient checkpointing ", ",")
@@ -189,6 +197,37 @@ def other_launches_table(folder: Path) -> list[str]:
             f"{result['peak_allocated_gib'][0]:.2f} |"
         )
     return lines if len(lines) > 2 else []
+
+
+def ceiling_table(folder: Path) -> list[str]:
+    """The plain-PyTorch ceiling (``plain-pytorch-L.json``: benchmarks/plain_pytorch_ceiling.py) against dzctl's
+    launch of the same L layers on the same full random rows in the same call (``synth-fullL-*``)."""
+    lines = []
+    for path in sorted(folder.glob("plain-pytorch-*.json")):
+        ceiling = json.loads(path.read_text(encoding="utf-8"))
+        measured = [x for x in ceiling["points"] if not x.get("oom")]
+        best = max(measured, key=lambda x: x["tokens_per_s"])
+        lines.append(
+            f"{path.name}: {ceiling['device']}, {ceiling['layers']} layers, seq {ceiling['seq']}, global batch "
+            f"{ceiling['global_batch']} rows, bf16 weights and AdamW states, no DeepSpeed: "
+            + "; ".join(
+                f"micro {x['micro']}: " + ("out of memory" if x.get("oom") else f"{x['tokens_per_s']:,.0f} tokens/s")
+                for x in ceiling["points"]
+            )
+        )
+        for launch in sorted(folder.glob(f"synth-full{ceiling['layers']}-*/summary.json")):
+            result = json.loads(launch.read_text(encoding="utf-8"))["results"][0]
+            if "useful_tokens_per_s_per_gpu" not in result:
+                continue
+            plan = result["plan"]
+            tokens = result["useful_tokens_per_s_per_gpu"]
+            lines.append(
+                f"  {launch.parent.name} (dzctl launch, auto: micro {plan['micro_batch_size']}, "
+                f"{plan['checkpointed_layers']}/{plan['decoder_layers']} recomputed, fp32 master and AdamW states): "
+                f"{tokens:,.0f} tokens/s = {tokens / best['tokens_per_s']:.1%} of the ceiling's best (micro "
+                f"{best['micro']}, {best['tokens_per_s']:,.0f})"
+            )
+    return lines
 
 
 TUNE_CANDIDATE = re.compile(
@@ -271,6 +310,7 @@ def main() -> int:
         ("NCCL flight recorder", flight_recorder(folder)),
         ("recompute grids", grids_table(folder)),
         ("other launches", other_launches_table(folder)),
+        ("plain-PyTorch ceiling", ceiling_table(folder)),
         ("dzctl tune: the planner's candidates, each measured", tune_table(folder)),
     ):
         if not lines:

@@ -124,7 +124,7 @@ for task in $TASKS; do
             "${OVR}{zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: $RATIO}}}" ;;
         off-zenflow-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
-        off-super-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET $EXT \
+        off-super-*) launch "$task" 280 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {offload_optimizer: {super_offload: true}}}" ;;
         tune-lora) tune "$task" "$TUNE_S" auto --set train.method=lora --set train.global_batch_size=32 ;;
         tune-off) tune "$task" "$TUNE_S" auto --layers 18 --set train.global_batch_size=32 $OFF_SET $EXT ;;

@@ -1,18 +1,21 @@
-"""The offloaded optimizer's host step against two launches: fit its one constant on one card, check it on the other.
+"""The offloaded optimizer's host step against the launches: fit its one constant on one card, check on the other.
 
     python3 benchmarks/offload_fit.py
 
-The launches: the auto offload plan of the 18-layer Qwen3-8B shape through ``dzctl launch`` on one H100
-(``plans-h100x1-20261206/off-auto-3``) and the same job with ``zero.offload=optimizer`` forced on one H200
-(``plans-h200x1-20261207/off-auto-1``; its states fit, the offloaded step is measured all the same). Each is
+The launches: the 18-layer Qwen3-8B shape with the optimizer offloaded, through ``dzctl launch``: on one H100
+the auto plans of 2026-12-06 (``plans-h100x1-20261206/off-auto-3``: micro 8 x 4, 7 recomputed) and 2026-12-07
+(``plans-h100x1-20261207c/off-auto-1``: micro 4 x 8, none recomputed) and the same job with DeepSpeed's partial
+offload (``off-ratio-1``: ratio 0.5, sub_group_size 5e8); on one H200 the same job with ``zero.offload=optimizer``
+forced (``plans-h200x1-20261207/off-auto-1``; its states fit, the offloaded step is measured all the same). Each is
 re-predicted by today's step-time model on its own plan and with the host rates its own preflight measured
 (the ``host AdamW`` note of its launch log), and compared with its measured step (the median of steps 4-7).
 
 The model's host step (planning/speed/offload.py) is the AdamW over the node's partitions at the measured
-rate, the copies, and ``HOST_OTHER_PASSES`` more AdamW-equivalents for the rest of DeepSpeed's host work
-(the fp32 gradient buffer, the norm and the clipping over it, the 16-bit weights written for the upload).
-This script prints, per launch, the step without that term, the seconds it leaves unexplained, and the
-constant each launch alone implies; then each launch predicted with the constant fitted on the other.
+rate, the weights' upload, and ``HOST_OTHER_PASSES`` more AdamW-equivalents for the rest of DeepSpeed's host
+work (the fp32 gradient buffer, the norm and the clipping over it, the 16-bit weights written for the upload);
+the gradients' trips of each micro-step run beside the backward. This script prints, per launch, the step
+without that constant, the seconds it leaves unexplained, and the constant each launch alone implies; then the
+constant fitted on each card (the median of its launches) and every launch of the other card predicted with it.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-LAUNCHES = (  # (card, folder of the launch) in the order: fit on the first, check on the second
-    ("H100", "benchmarks/results/plans-h100x1-20261206/off-auto-3"),
+LAUNCHES = (  # (card, folder of the launch)
     ("H200", "benchmarks/results/plans-h200x1-20261207/off-auto-1"),
+    ("H100", "benchmarks/results/plans-h100x1-20261206/off-auto-3"),
+    ("H100", "benchmarks/results/plans-h100x1-20261207c/off-auto-1"),
+    ("H100", "benchmarks/results/plans-h100x1-20261207c/off-ratio-1"),
 )
 RATE = re.compile(
     r"host AdamW ([0-9.]+) G params/s(?:, copy up ([0-9.]+) GB/s|, copies ([0-9.]+) GB/s up and ([0-9.]+) down)?"
@@ -52,40 +57,62 @@ def preflight_host(runs_log: str):
     )
 
 
-def main() -> int:
+def without_other_passes(card: str, folder: str) -> dict:
+    """One launch re-predicted with ``HOST_OTHER_PASSES`` at 0, and the host's AdamW seconds it is a multiple of."""
     from plans_report import predicted
+
+    from orchestrator.planning.speed import offload
+
+    path = REPO / folder
+    result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
+    host = preflight_host((path / "runs.log").read_text(encoding="utf-8"))
+    fitted, offload.HOST_OTHER_PASSES = offload.HOST_OTHER_PASSES, 0.0
+    try:
+        plan, step_s = predicted(result, host, card)
+    finally:
+        offload.HOST_OTHER_PASSES = fitted
+    on_host = plan.estimate.trainable_params - plan.estimate.optimizer_on_gpu  # one rank: the node's partition
+    return {
+        "card": card, "folder": folder, "plan": plan, "host": host, "without_s": step_s,
+        "adam_s": on_host / host.adam_params_per_s, "measured_s": result["median_step_s"],
+    }  # fmt: skip
+
+
+def main() -> int:
+    import statistics
 
     from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 
-    rows = []
-    for card, folder in LAUNCHES:
-        path = REPO / folder
-        result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
-        host = preflight_host((path / "runs.log").read_text(encoding="utf-8"))
-        plan, step_s = predicted(result, host, card)
-        adam_s = plan.estimate.trainable_params / host.adam_params_per_s  # one rank: the node's partition
-        without = step_s - HOST_OTHER_PASSES * adam_s
-        measured = result["median_step_s"]
-        rows.append((card, folder, plan, host, adam_s, without, measured))
-        print(
-            f"{card} ({folder}): micro {plan.choice.micro_batch_size} x {plan.gradient_accumulation_steps}, "
-            f"{plan.choice.layers_checkpointed(plan.estimate.num_layers)}/{plan.estimate.num_layers} recomputed; "
-            f"{host.describe()}"
+    rows = [without_other_passes(card, folder) for card, folder in LAUNCHES]
+    for row in rows:
+        plan, layers = row["plan"], row["plan"].estimate.num_layers
+        row["implied"] = (row["measured_s"] - row["without_s"]) / row["adam_s"]
+        partial = (
+            f", {plan.estimate.optimizer_on_gpu / 1e9:.2f} G stepped on the GPU"
+            if plan.estimate.optimizer_on_gpu
+            else ""
         )
         print(
-            f"  measured step {measured:.2f} s; predicted without the other passes {without:.2f} s "
-            f"({measured / without - 1:+.1%} slower measured); unexplained {measured - without:.2f} s = "
-            f"{(measured - without) / adam_s:.2f} x the AdamW's {adam_s:.2f} s"
+            f"{row['card']} ({row['folder']}): micro {plan.choice.micro_batch_size} x "
+            f"{plan.gradient_accumulation_steps}, "
+            f"{plan.choice.layers_checkpointed(layers)}/{layers} recomputed{partial}; {row['host'].describe()}"
+        )
+        print(
+            f"  measured step {row['measured_s']:.2f} s; predicted without the other passes {row['without_s']:.2f} s "
+            f"({row['measured_s'] / row['without_s'] - 1:+.1%} slower measured); unexplained "
+            f"{row['measured_s'] - row['without_s']:.2f} s = {row['implied']:.2f} x the host AdamW's "
+            f"{row['adam_s']:.2f} s"
         )
     print(f"HOST_OTHER_PASSES in planning/speed/offload.py: {HOST_OTHER_PASSES:.2f}")
-    for fit, check in ((rows[0], rows[1]), (rows[1], rows[0])):
-        passes = (fit[6] - fit[5]) / fit[4]
-        card, _, _, _, adam_s, without, measured = check
-        step = without + passes * adam_s
-        print(
-            f"fit on {fit[0]} ({passes:.2f} passes), check on {card}: predicted {step:.2f} s against {measured:.2f} s "
-            f"measured: predicted tokens/s {measured / step - 1:+.1%} of the measured"
-        )
+    for fit_card, check_card in (("H200", "H100"), ("H100", "H200")):
+        passes = statistics.median(r["implied"] for r in rows if r["card"] == fit_card)
+        for row in (r for r in rows if r["card"] == check_card):
+            step = row["without_s"] + passes * row["adam_s"]
+            print(
+                f"fit on {fit_card} ({passes:.2f} passes), check on {check_card} ({row['folder'].split('/')[-2]}/"
+                f"{row['folder'].split('/')[-1]}): predicted {step:.2f} s against {row['measured_s']:.2f} s measured: "
+                f"predicted tokens/s {row['measured_s'] / step - 1:+.1%} of the measured"
+            )
     return 0
 
 

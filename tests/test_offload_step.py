@@ -17,6 +17,7 @@ from orchestrator.planning.speed.offload import (
     HOST_OTHER_PASSES,
     PCIE_EFFICIENCY,
     HostOptimizer,
+    gradient_trips_seconds,
     host_optimizer_from_nodes,
     offloaded_optimizer_seconds,
 )
@@ -48,14 +49,14 @@ def test_the_offloaded_step_counts_the_hosts_adamw_over_every_rank_of_the_node(t
 
     planned = _plan_json(tmp_path, "--host-adam-rate", "1.0")
     speed = planned["step_time"]
-    # 8.19 B trained parameters, all on this one node's host, stepped at 1e9 a second; each GPU's bf16
-    # gradient partition down and up once per micro-step, its bf16 weights up once, over the A100's
-    # PCIe 4.0 x16 at the share measured on the H100 node.
-    accumulation = planned["gradient_accumulation_steps"]
+    # 8.19 B trained parameters, all on this one node's host, stepped at 1e9 a second, and each GPU's bf16
+    # weights up once, over the A100's PCIe 4.0 x16 at the share measured on the H100 node; each GPU's bf16
+    # gradient partition down and up once per micro-step, beside the compute with the collectives.
     per_gpu, link = trained / 4, 32e9 * PCIE_EFFICIENCY
-    copies = per_gpu * 2 * accumulation / link + per_gpu * (2 * accumulation + 2) / link
     host_s = (1 + HOST_OTHER_PASSES) * trained / 1e9  # AdamW and DeepSpeed's other passes over the partitions
-    assert abs(speed["optimizer_s"] - (host_s + copies)) < 0.01
+    assert abs(speed["optimizer_s"] - (host_s + per_gpu * 2 / link)) < 0.01
+    assert speed["offload_trips_s"] == pytest.approx(2 * per_gpu * 2 / link, abs=1e-3)
+    assert speed["micro_step_s"] >= max(speed["compute_s"], speed["comm_s"] + speed["offload_trips_s"])
     assert speed["offload_modelled"] is True
     slower_than_assumed = (1 + HOST_OTHER_PASSES) * (trained / 1e9 - trained / ASSUMED_HOST.adam_params_per_s)
     assert abs(speed["optimizer_step_s"] - assumed["step_time"]["optimizer_step_s"] - slower_than_assumed) < 0.02
@@ -75,20 +76,22 @@ def test_the_slowest_node_sets_the_rate_and_the_copies_add_to_it():
     )
     assert host is not None and host.adam_params_per_s == 0.5e9 and host.h2d_bytes_per_s == 25e9
     assert "node1" in host.source
-    # 1e9 parameters per GPU, 4 GPUs: 4e9 on the host at 0.5e9/s, and the other passes; per GPU at
-    # accumulation 3, 3 × 2 GB of gradients down and up, and 2 GB of weights up, at 25 GB/s (the slowest copy).
-    seconds = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0)
+    # 1e9 parameters per GPU, 4 GPUs: 4e9 on the host at 0.5e9/s, and the other passes; per GPU 2 GB of
+    # weights up at 25 GB/s (the slowest copy).
+    seconds = offloaded_optimizer_seconds(host, 1e9, 4, 2, link_bytes_per_s=1.0)
     host_s = (1 + HOST_OTHER_PASSES) * 8.0
-    assert abs(seconds - (host_s + 6e9 / 25e9 + 8e9 / 25e9)) < 1e-9
-    # A partial offload with half of each GPU's partition stepped on the GPU: the host steps and uploads half,
-    # every gradient still goes down and up (DeepSpeed's partition_grads sends them all to the host's buffer).
-    half = offloaded_optimizer_seconds(host, 1e9, 4, 2, accumulation=3, link_bytes_per_s=1.0, on_gpu_params=0.5e9)
-    assert half == pytest.approx(host_s / 2 + 6e9 / 25e9 + (6e9 + 1e9) / 25e9)
+    assert abs(seconds - (host_s + 2e9 / 25e9)) < 1e-9
+    # Each micro-step's 2 GB gradient partition down and back up, whatever of it the GPU steps.
+    assert gradient_trips_seconds(host, 1e9, 2, link_bytes_per_s=1.0) == pytest.approx(4e9 / 25e9)
+    # A partial offload with half of each GPU's partition stepped on the GPU: the host steps and uploads half.
+    half = offloaded_optimizer_seconds(host, 1e9, 4, 2, link_bytes_per_s=1.0, on_gpu_params=0.5e9)
+    assert half == pytest.approx(host_s / 2 + 1e9 / 25e9)
     # Copies not measured on any node: the GPU kind's link.
     unmeasured = HostOptimizer(0.5e9, None, "x")
     assert offloaded_optimizer_seconds(unmeasured, 1e9, 4, 2, link_bytes_per_s=10e9) == pytest.approx(
-        host_s + 2e9 / 10e9 + 4e9 / 10e9
+        host_s + 2e9 / 10e9
     )
+    assert gradient_trips_seconds(unmeasured, 1e9, 2, link_bytes_per_s=10e9) == pytest.approx(4e9 / 10e9)
     assert host_optimizer_from_nodes({"node0": {}}) is None
     assert HostOptimizer(1e9, None, "x").describe() == "host AdamW 1.00 G params/s (x)"
 
@@ -150,17 +153,21 @@ def test_an_override_of_the_offload_section_without_a_device_leaves_the_offload_
     assert planned["fits"] is True
 
 
-def test_the_offloaded_step_of_the_card_not_fitted_on_is_within_5_percent():
-    """The one constant of the host step (HOST_OTHER_PASSES) is fitted on the H100 launch; the H200 launch of the
-    same job with the optimizer offloaded, re-predicted with its own preflight's rates, is the check. Before the
-    constant the model left 1.78 s of the 9.69 s step out (+22.5 %)."""
+@pytest.mark.parametrize("launch", [1, 2, 3], ids=["h100-off-auto-3", "h100-off-auto-1", "h100-off-ratio-1"])
+def test_the_offloaded_step_of_the_card_not_fitted_on_is_within_10_percent(launch):
+    """The one constant of the host step (HOST_OTHER_PASSES) is fitted on the H200 launch (the 18-layer shape with the
+    optimizer offloaded); the H100 launches of the same job, each re-predicted with its own preflight's rates, are
+    the check (issue 42: within ±10 %). Before the gradients' trips went beside the compute, the model counted them
+    whole at every micro-step: the H100's auto plan at 8 micro-steps (10.12 s measured) came out 11.84 s (+17 %)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import offload_fit
-    from plans_report import predicted
 
-    card, folder = offload_fit.LAUNCHES[1]
-    result = json.loads((ROOT / folder / "summary.json").read_text(encoding="utf-8"))["results"][0]
-    host = offload_fit.preflight_host((ROOT / folder / "runs.log").read_text(encoding="utf-8"))
-    _, step_s = predicted(result, host, card)
-    assert card == "H200" and host.adam_params_per_s == 4.36e9
-    assert step_s == pytest.approx(result["median_step_s"], rel=0.05)
+    fit_card, fit_folder = offload_fit.LAUNCHES[0]
+    fit = offload_fit.without_other_passes(fit_card, fit_folder)
+    assert fit_card == "H200" and fit["host"].adam_params_per_s == 4.36e9
+    assert (fit["measured_s"] - fit["without_s"]) / fit["adam_s"] == pytest.approx(HOST_OTHER_PASSES, abs=0.005)
+    card, folder = offload_fit.LAUNCHES[launch]
+    check = offload_fit.without_other_passes(card, folder)
+    assert card == "H100"
+    predicted_s = check["without_s"] + HOST_OTHER_PASSES * check["adam_s"]
+    assert predicted_s == pytest.approx(check["measured_s"], rel=0.10)

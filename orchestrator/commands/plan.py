@@ -112,7 +112,16 @@ def speed_lines(plan: MemoryPlan) -> list[str]:
         f"  compute        {step.compute_s:8.3f} s for {step.tokens:,} tokens/GPU per micro-step",
         f"  communication  {step.comm_s:8.3f} s ({comm.bandwidth_s:.3f} s bandwidth, {comm.latency_s:.3f} s latency of "
         f"{comm.calls} collectives: {calls}); {comm.inter_bytes / 1e9:.2f} GB over each node's link",
-        f"  micro-step     {step.step_s:8.3f} s = max(compute, communication) + {step.exposed_s:.3f} s not overlapped",
+    ]
+    side = "communication"
+    if step.offload_trips_s:
+        lines.append(
+            f"  gradient trips {step.offload_trips_s:8.3f} s to the host's optimizer and back, beside the compute "
+            "with the collectives"
+        )
+        side = "communication + gradient trips"
+    lines += [
+        f"  micro-step     {step.step_s:8.3f} s = max(compute, {side}) + {step.exposed_s:.3f} s not overlapped",
         f"  optimizer step {step.optimizer_step_s:8.3f} s = {step.accumulation} micro-steps + {step.optimizer_s:.3f} s "
         "for the optimizer",
         f"  {step.tokens_per_s:,.0f} tokens/s/GPU, bound: {step.bound}",

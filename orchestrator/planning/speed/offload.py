@@ -5,16 +5,19 @@ partitions in pinned host memory (DeepSpeed 0.19, ``stage3.py``: ``grad_partitio
 CPU, in the gradient accumulation dtype, which is the model's: dzctl never sets ``grad_accum_dtype``).
 Every micro-step's reduced gradient partition goes down to it and comes back up (the first micro-step to
 keep working on the GPU, the later ones to be added to there: "adding directly to cpu is very slow").
-At the boundary DeepSpeed's CPU Adam steps each rank's partition on the host, and the updated 16-bit
-weights go back up:
+Those trips run where the reduce runs: on its own stream beside the backward under ``overlap_comm``, so
+``steptime.py`` puts them on the side stream with the collectives. Measured so: on one H100 the 18-layer
+shape's offloaded step took 10.12 s at 8 micro-steps and 10.35 s at 4 (benchmarks/results/
+plans-h100x1-20261207c/off-auto-1, plans-h100x1-20261206/off-auto-3), where counting the trips whole
+added 1.4 s for the 4 more. At the boundary DeepSpeed's CPU Adam steps each rank's partition on the
+host and the updated 16-bit weights go back up, with nothing beside them:
 
+    trips       = P · g / (pinned device-to-host rate) + P · g / (pinned host-to-device rate)     per micro-step
     host step   = (1 + HOST_OTHER_PASSES) · (trained parameters of all the node's ranks) / (the node's AdamW rate)
-    copies down = P · g · A         / (pinned device-to-host rate)
-    copies up   = P · (g · A + p)   / (pinned host-to-device rate)
-    optimizer   = host step + copies down + copies up
-                  (P: trained parameters per GPU, A: accumulation, g = p: bytes of a 16-bit value)
+    optimizer   = host step + P · p / (pinned host-to-device rate)                            per optimizer step
+                  (P: trained parameters per GPU, g = p: bytes of a 16-bit value)
 
-The copies wait on the reduce that makes each partition, so they are counted whole, not hidden. The node's
+The node's
 ranks share its cores and its memory bandwidth, and AdamW over fp32 states is bound by that bandwidth, so
 the AdamW rate is the node's, measured with all its cores (preflight's ``python-env`` probe, or
 ``dzctl plan --host-adam-rate``), and the partitions of the node's ranks add up: a node with fewer or
@@ -81,10 +84,26 @@ def host_optimizer_from_nodes(readings: Mapping[str, Mapping[str, float]]) -> Ho
 
 # DeepSpeed's other host work in an offloaded step, in AdamW-equivalents over the same partition: the fp32
 # gradient buffer the bf16 gradients are widened into, the norm and the clipping over it, the 16-bit weights
-# written for the upload. Not timed one by one: fitted as the seconds the AdamW and the copies leave
-# unexplained in one launch (benchmarks/offload_fit.py: one H100, the 18-layer shape's auto offload plan),
-# checked on the other card's launch.
-HOST_OTHER_PASSES = 1.81
+# written for the upload. Not timed one by one: fitted as the seconds the AdamW and the weights' upload leave
+# unexplained in one launch on one H200 (benchmarks/offload_fit.py: the 18-layer shape with the optimizer
+# offloaded, plans-h200x1-20261207/off-auto-1), checked on three H100 launches (the script prints both
+# directions).
+HOST_OTHER_PASSES = 2.91
+
+
+def _rates(host: HostOptimizer, link_bytes_per_s: float) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes/s: the node's measured copies, else the GPU kind's link."""
+    up = host.h2d_bytes_per_s or link_bytes_per_s
+    return up, host.d2h_bytes_per_s or host.h2d_bytes_per_s or link_bytes_per_s
+
+
+def gradient_trips_seconds(
+    host: HostOptimizer, params_per_gpu: float, grad_bytes: int, *, link_bytes_per_s: float
+) -> float:
+    """One micro-step's gradient partition down to the host's buffer and back up (DeepSpeed 0.19's
+    ``partition_grads`` sends every partition, a partial offload's too), on the reduce's stream."""
+    up, down = _rates(host, link_bytes_per_s)
+    return params_per_gpu * grad_bytes / down + params_per_gpu * grad_bytes / up
 
 
 def offloaded_optimizer_seconds(
@@ -93,20 +112,13 @@ def offloaded_optimizer_seconds(
     gpus_per_node: int,
     param_bytes: int,
     *,
-    accumulation: int = 1,
     link_bytes_per_s: float,
     on_gpu_params: float = 0.0,
 ) -> float:
-    """What offloading adds to one optimizer step of ``accumulation`` micro-steps: the gradients' copies down
-    and up, the host's AdamW over each GPU's partition and its other passes (``HOST_OTHER_PASSES``), the
-    16-bit weights back up. ``on_gpu_params``: a partial offload's elements stepped on the GPU
-    (``memory/estimate.py::PartialOffload``): the host steps and uploads the rest, while every gradient
-    partition still makes its trips (DeepSpeed 0.19's ``partition_grads`` sends them all to the host's buffer).
-    ``link_bytes_per_s``: each way, where the node's copies were not measured."""
+    """What offloading adds at the optimizer step, after the last micro-step: the host's AdamW over each GPU's
+    partition and its other passes (``HOST_OTHER_PASSES``), the 16-bit weights back up. ``on_gpu_params``: a
+    partial offload's elements stepped on the GPU (``memory/estimate.py::PartialOffload``): the host steps and
+    uploads the rest. ``link_bytes_per_s``: each way, where the node's copies were not measured."""
     on_host = params_per_gpu - on_gpu_params
-    up_rate = host.h2d_bytes_per_s or link_bytes_per_s
-    down_rate = host.d2h_bytes_per_s or host.h2d_bytes_per_s or link_bytes_per_s
-    grad_bytes = param_bytes  # DeepSpeed accumulates gradients in the model's dtype unless told otherwise
-    down = params_per_gpu * grad_bytes * accumulation / down_rate
-    up = (params_per_gpu * grad_bytes * accumulation + on_host * param_bytes) / up_rate
-    return (1 + HOST_OTHER_PASSES) * on_host * gpus_per_node / host.adam_params_per_s + down + up
+    up, _ = _rates(host, link_bytes_per_s)
+    return (1 + HOST_OTHER_PASSES) * on_host * gpus_per_node / host.adam_params_per_s + on_host * param_bytes / up

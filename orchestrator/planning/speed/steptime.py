@@ -2,9 +2,9 @@
 
     compute  = T · F / (MFU · peak)
     comm     = Σ collectives ( share · bytes / bandwidth + calls · latency )      (communication.py)
-    step     = max(compute, comm) + exposed
+    step     = max(compute, comm + trips) + exposed
     exposed  = the forward's first all-gather + the backward's last reduce-scatter
-               + (1 − overlap) · min(compute, comm)
+               + (1 − overlap) · min(compute, comm + trips)
 
 T = tokens per GPU per micro-step (micro-batch × seq_len for packed rows), F = training
 FLOPs per token (ModelShape.flops_per_token: 6·(params − input embedding) + attention),
@@ -15,7 +15,9 @@ the measured plan to this one by the recompute cost model (``recompute.py``). Wi
 their own stream beside the compute, so the longer of the two sets the pace; the first
 gather of the forward and the last reduce of the backward have nothing to hide behind.
 ``overlap`` is the share of the shorter side that is hidden (1: all of it; calibrated on the
-shaped-link runs, ``benchmarks/results/steptime-shaped-*``).
+shaped-link runs, ``benchmarks/results/steptime-shaped-*``). ``trips``: where the optimizer is
+offloaded, each micro-step's gradient partitions go down to the host and back on the same side
+stream (``offload.py``); 0 otherwise.
 
 The model is for one micro-step: gradient accumulation repeats the gathers and the reduce,
 so an optimizer step of A micro-steps takes A of them, and then the optimizer's own step:
@@ -222,20 +224,28 @@ class StepTime:
     overlap: float
     accumulation: int = 1  # micro-steps per optimizer step
     optimizer_s: float = 0.0  # the optimizer's own step (optimizer_seconds), once per optimizer step
+    # An offloaded optimizer's gradient partitions down to the host and back, every micro-step, on the
+    # same side stream as the reduce (offload.py::gradient_trips_seconds).
+    offload_trips_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
         return self.comm.total_s
 
     @property
+    def side_s(self) -> float:
+        """What runs beside the compute: the collectives and an offload's gradient trips."""
+        return self.comm_s + self.offload_trips_s
+
+    @property
     def exposed_s(self) -> float:
-        hidden_side = min(self.compute_s, self.comm_s)
+        hidden_side = min(self.compute_s, self.side_s)
         edges = self.comm.first_gather_s + self.comm.last_reduce_s if self.comm_s > 0 else 0.0
         return min(edges, hidden_side) + (1 - self.overlap) * max(0.0, hidden_side - edges)
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.comm_s) + self.exposed_s
+        return max(self.compute_s, self.side_s) + self.exposed_s
 
     @property
     def optimizer_step_s(self) -> float:
@@ -250,7 +260,7 @@ class StepTime:
     @property
     def bound(self) -> str:
         """``compute`` or ``communication`` (the longer side)."""
-        return "compute" if self.compute_s >= self.comm_s else "communication"
+        return "compute" if self.compute_s >= self.side_s else "communication"
 
     @property
     def loss_fraction(self) -> float:
@@ -267,6 +277,7 @@ class StepTime:
             "exposed_s": round(self.exposed_s, 4),
             "micro_step_s": round(self.step_s, 4),
             "optimizer_s": round(self.optimizer_s, 4),
+            "offload_trips_s": round(self.offload_trips_s, 4),
             "optimizer_step_s": round(self.optimizer_step_s, 3),
             "tokens_per_s_per_gpu": round(self.tokens_per_s, 1),
             "bound": self.bound,
@@ -294,6 +305,7 @@ def predict(
     accumulation: int = 1,
     optimizer_s: float = 0.0,
     reference_share: float = 0.0,
+    offload_trips_s: float = 0.0,
 ) -> StepTime:
     """The predicted micro-step of one GPU.
 
@@ -303,7 +315,8 @@ def predict(
     the optimizer's own step (``optimizer_seconds``; 0 where it is not on the GPUs);
     ``reference_share``: a preference stage's reference forward per micro-step, as a share of the
     policy's compute (``reference_forward_share``; 0: no reference forward), whose weights are gathered
-    once more in the forward order.
+    once more in the forward order. ``offload_trips_s``: an offloaded optimizer's gradient copies of one
+    micro-step (``offload.py::gradient_trips_seconds``), beside the compute with the collectives.
     """
     weights = shape.weight_numels()
     forward, backward = gathered_per_phase(
@@ -326,7 +339,13 @@ def predict(
     comm = comm_time(collectives, layout=layout, links=links)
     compute = tokens * shape.flops_per_token(seq_len) / flops_per_s * (1 + reference_share)
     return StepTime(
-        tokens=tokens, compute_s=compute, comm=comm, overlap=overlap, accumulation=accumulation, optimizer_s=optimizer_s
+        tokens=tokens,
+        compute_s=compute,
+        comm=comm,
+        overlap=overlap,
+        accumulation=accumulation,
+        optimizer_s=optimizer_s,
+        offload_trips_s=offload_trips_s,
     )
 
 

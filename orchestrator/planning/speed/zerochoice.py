@@ -22,7 +22,7 @@ from ..memory.estimate import Buckets, Choice, LoraShape, estimate
 from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from ..shape import ModelShape
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
-from .offload import PCIE_EFFICIENCY, HostOptimizer, offloaded_optimizer_seconds
+from .offload import PCIE_EFFICIENCY, HostOptimizer, gradient_trips_seconds, offloaded_optimizer_seconds
 from .steptime import (
     DEFAULT_OVERLAP,
     ComputePlan,
@@ -190,6 +190,7 @@ def choose_zero(
             accumulation=candidate.gradient_accumulation_steps,
             optimizer_s=_optimizer_s(candidate, gpu, host, world, layout.gpus_per_node, p),
             reference_share=_reference_share(candidate) if reference_forward else 0.0,
+            offload_trips_s=_gradient_trips_s(candidate, gpu, host, world, p),
         )
 
     default = plan.buckets
@@ -303,10 +304,18 @@ def _optimizer_s(
         per_gpu,
         gpus_per_node,
         param_bytes,
-        accumulation=plan.gradient_accumulation_steps,
         link_bytes_per_s=gpu.pcie_bytes_per_s * PCIE_EFFICIENCY,
         on_gpu_params=on_gpu,
     )
+
+
+def _gradient_trips_s(plan: MemoryPlan, gpu: GpuKind, host: HostOptimizer | None, world: int, grad_bytes: int) -> float:
+    """An offloaded optimizer's gradient trips of one micro-step (0 where the host's rates are not known, as
+    for its step: the plan says the prediction is a lower bound)."""
+    if not plan.choice.offload_optimizer or host is None or plan.choice.offload_param:
+        return 0.0
+    link = gpu.pcie_bytes_per_s * PCIE_EFFICIENCY
+    return gradient_trips_seconds(host, plan.estimate.trainable_params / world, grad_bytes, link_bytes_per_s=link)
 
 
 def _reference_share(plan: MemoryPlan) -> float:

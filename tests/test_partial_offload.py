@@ -99,3 +99,43 @@ def test_a_ratio_or_sub_group_size_deepspeed_would_refuse_names_the_override(tmp
     code, output = _plan(tmp_path, f"zero.overrides={overrides}")
     assert code == 2
     assert f"--set zero.overrides={overrides}" in output and said in output
+
+
+def test_the_ratios_tried_keep_as_many_sub_groups_as_deepspeed_would():
+    from orchestrator.planning.speed.partialchoice import options
+
+    shard = 4_724_000_000  # the 18-layer shape on one GPU: 10 sub-groups of 5e8
+    tried = options(shard)
+    kept = [p.groups_on_gpu(shard)[0] for p in tried]
+    # DeepSpeed's int((1 - ratio) * 10) in floats: 0.8 keeps 1 (1.9999999999999996), 0.9 keeps none (not tried),
+    # so no ratio of 0.1 to 0.9 keeps 2.
+    assert kept == [9, 8, 7, 6, 5, 4, 3, 1]
+    assert [p.ratio for p in tried] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    assert options(400_000_000) == []  # one sub-group: kept whole or not at all
+
+
+def test_a_forced_whole_offload_names_the_faster_partial_offload_and_its_prediction_holds(tmp_path):
+    """The plan's note gives the ``--set`` of the fastest partial offload that fits; planned with it, the job
+    fits and predicts what the note said."""
+    import re
+
+    code, whole = _plan(tmp_path)
+    assert code == 0, whole
+    note = next(n for n in whole["step_time"]["notes"] if n.startswith("a partial optimizer offload fits"))
+    override = re.search(r"--set '(zero\.overrides=[^']+)'", note)[1]
+    predicted = float(re.search(r": ([\d,]+) tokens/s/GPU against", note)[1].replace(",", ""))
+    code, partial = _plan(tmp_path, override)
+    assert code == 0, partial
+    assert partial["fits"] is True
+    assert partial["step_time"]["tokens_per_s_per_gpu"] == pytest.approx(predicted, abs=1)
+    assert predicted > whole["step_time"]["tokens_per_s_per_gpu"] * 1.03
+    # Asked for, it is planned, not suggested again.
+    assert not any(n.startswith("a partial optimizer offload fits") for n in partial["step_time"]["notes"])
+
+
+def test_no_partial_offload_is_suggested_over_the_users_own_ratio(tmp_path):
+    code, users = _plan(
+        tmp_path, "zero.overrides={zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: 0.7}}}"
+    )
+    assert code == 0, users
+    assert not any("partial optimizer offload fits" in n for n in users["step_time"]["notes"])

@@ -15,6 +15,7 @@ from ...errors import InputError
 from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
 from ..inputs import JobInputs
 from ..shape import ModelShape
+from ..speed import partialchoice
 from ..speed.calibration import Calibration, CalibrationInput, key_for
 from ..speed.communication import Links
 from ..speed.offload import HostOptimizer
@@ -87,6 +88,19 @@ def _partial_offload_note(partial: PartialOffload, plan: MemoryPlan) -> str:
     return (
         f"partial offload ({partial.describe()}): {kept} of {groups} sub-groups, {on_gpu / 1e9:.2f} G elements per "
         "GPU, stepped on the GPU (in the breakdown), the rest on the host"
+    )
+
+
+def _partial_offload_may_help(plan: MemoryPlan, allowed: Allowed, spec: Any, speed: SpeedInputs) -> bool:
+    """The whole optimizer on the host, its step timed (the host's rate known), chosen by the model, and no ratio
+    of the user's: a partial offload is worth planning (speed/partialchoice.py). SFT only: a preference stage's
+    reference copy is placed after the plan, beside it."""
+    return (
+        plan.choice.offload == "optimizer"
+        and allowed.partial_offload is None
+        and plan.choice_source == "model"
+        and spec.train.stage == "sft"
+        and speed.host is not None
     )
 
 
@@ -301,21 +315,39 @@ def plan_for_job(
     if speed is not None and plan.fits:
         fixed = merge(inputs.user_ds_config or {}, spec.zero.overrides)
         lora_shape = lora if spec.train.method == "lora" else None
-        plan = choose_zero(
-            plan,
-            inputs.shape,
-            gpu=speed.gpu,
-            links=speed.links,
-            host=speed.host,
-            fixed_config=fixed,
-            lora=lora_shape,
-            # a measured choice stays as measured: the ZeRO settings do not move it
-            micro_auto=allowed.micro_batch_size is None and plan.choice_source == "model",
-            checkpointing_auto=allowed.gradient_checkpointing is None and plan.choice_source == "model",
-            user_settings=user_zero_settings(inputs.user_ds_config, spec.zero.overrides, spec.zero.config),
-            # DPO's and KTO's reference policy runs a forward of its own each micro-step
-            reference_forward=reference in ("frozen-copy", "adapters-off"),
-        )
+
+        def timed(candidate: MemoryPlan) -> MemoryPlan:
+            return choose_zero(
+                candidate,
+                inputs.shape,
+                gpu=speed.gpu,
+                links=speed.links,
+                host=speed.host,
+                fixed_config=fixed,
+                lora=lora_shape,
+                # a measured choice stays as measured: the ZeRO settings do not move it
+                micro_auto=allowed.micro_batch_size is None and candidate.choice_source == "model",
+                checkpointing_auto=allowed.gradient_checkpointing is None and candidate.choice_source == "model",
+                user_settings=user_zero_settings(inputs.user_ds_config, spec.zero.overrides, spec.zero.config),
+                # DPO's and KTO's reference policy runs a forward of its own each micro-step
+                reference_forward=reference in ("frozen-copy", "adapters-off"),
+            )
+
+        plan = timed(plan)
+        if _partial_offload_may_help(plan, allowed, spec, speed):
+
+            def with_partial(partial: PartialOffload) -> MemoryPlan | None:
+                candidate = planned(spec.train.method == "lora", replace(allowed, partial_offload=partial))
+                if not candidate.fits or candidate.choice.offload != "optimizer":
+                    return None
+                if batch is not None:
+                    steps = globalbatch.accumulation_for(batch, candidate.choice.micro_batch_size, plan.world_size)
+                    candidate = replace(candidate, gradient_accumulation_steps=steps, global_batch_key=batch.key)
+                return timed(candidate)
+
+            note = partialchoice.suggestion(plan, with_partial)
+            if note:
+                plan = replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note)))
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
             spec = spec.model_copy(
                 update={

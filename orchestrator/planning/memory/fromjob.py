@@ -92,9 +92,9 @@ def _partial_offload_note(partial: PartialOffload, plan: MemoryPlan) -> str:
 
 
 def _partial_offload_may_help(plan: MemoryPlan, allowed: Allowed, spec: Any, speed: SpeedInputs) -> bool:
-    """The whole optimizer on the host, its step timed (the host's rate known), chosen by the model, and no ratio
-    of the user's: a partial offload is worth planning (speed/partialchoice.py). SFT only: a preference stage's
-    reference copy is placed after the plan, beside it."""
+    """The whole optimizer on the host, its step timed (a host rate measured, given or assumed: the plan says
+    which), chosen by the model, and no ratio of the user's: a partial offload is worth planning
+    (speed/partialchoice.py). SFT only: a preference stage's reference copy is placed after the plan, beside it."""
     return (
         plan.choice.offload == "optimizer"
         and allowed.partial_offload is None

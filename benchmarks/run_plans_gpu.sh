@@ -80,7 +80,12 @@ launch() {  # NAME LIMIT_S ARGS...
     t0=$(date +%s)
     (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" \
         --budget-s 400 --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
-    echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
+    code=$?
+    if [ "$code" -eq 124 ]; then  # cut by the task's limit: its ranks still hold the GPU and the port; stop them
+        (cd "$HERE" && DZCTL_HOME="/tmp/dzctl-$name/dzctl-home" timeout 60 python3 -m orchestrator stop "useful-$1") \
+            >> "$RES/$name.log" 2>&1
+    fi
+    echo "$name: exit $code, $(($(date +%s) - t0)) s"; save
 }
 grid() {  # NAME LIMIT_S ARGS...
     name=$1 limit=$2; shift 2

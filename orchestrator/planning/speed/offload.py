@@ -17,9 +17,8 @@ host and the updated 16-bit weights go back up, with nothing beside them:
     optimizer   = host step + P · p / (pinned host-to-device rate)                            per optimizer step
                   (P: trained parameters per GPU, g = p: bytes of a 16-bit value)
 
-The node's
-ranks share its cores and its memory bandwidth, and AdamW over fp32 states is bound by that bandwidth, so
-the AdamW rate is the node's, measured with all its cores (preflight's ``python-env`` probe, or
+The node's ranks share its cores and its memory bandwidth, and AdamW over fp32 states is bound by that
+bandwidth, so the AdamW rate is the node's, measured with all its cores (preflight's ``python-env`` probe, or
 ``dzctl plan --host-adam-rate``), and the partitions of the node's ranks add up: a node with fewer or
 slower cores, or slower memory, plans a slower step. The copy rates are the probe's, or else the GPU
 kind's PCIe link at the share measured on one H100 node (``PCIE_EFFICIENCY``). ``dzctl plan`` without a

@@ -91,6 +91,11 @@ def _partial_offload_note(partial: PartialOffload, plan: MemoryPlan) -> str:
     )
 
 
+def _with_accumulation(spec: Any, steps: int) -> Any:
+    """The job's spec with the accumulation a fixed global batch gives the plan (the DeepSpeed config's)."""
+    return spec.model_copy(update={"train": spec.train.model_copy(update={"gradient_accumulation_steps": steps})})
+
+
 def _partial_offload_may_help(plan: MemoryPlan, allowed: Allowed, spec: Any, speed: SpeedInputs) -> bool:
     """The whole optimizer on the host, its step timed (a host rate measured, given or assumed: the plan says
     which), chosen by the model, and no ratio of the user's: a partial offload is worth planning
@@ -293,11 +298,8 @@ def plan_for_job(
         plan = _calibrated(plan, inputs, calibration, allowed, precision, planned)
     if batch is not None:
         if plan.fits:
-            steps = globalbatch.accumulation_for(batch, plan.choice.micro_batch_size, plan.world_size)
-            plan = replace(plan, gradient_accumulation_steps=steps, global_batch_key=batch.key)
-            spec = spec.model_copy(
-                update={"train": spec.train.model_copy(update={"gradient_accumulation_steps": steps})}
-            )
+            plan = globalbatch.with_batch(plan, batch)
+            spec = _with_accumulation(spec, plan.gradient_accumulation_steps)
         else:
             unconstrained = planned(spec.train.method == "lora", free)
             largest = unconstrained.choice.micro_batch_size if unconstrained.fits else None
@@ -340,22 +342,13 @@ def plan_for_job(
                 candidate = planned(spec.train.method == "lora", replace(allowed, partial_offload=partial))
                 if not candidate.fits or candidate.choice.offload != "optimizer":
                     return None
-                if batch is not None:
-                    steps = globalbatch.accumulation_for(batch, candidate.choice.micro_batch_size, plan.world_size)
-                    candidate = replace(candidate, gradient_accumulation_steps=steps, global_batch_key=batch.key)
-                return timed(candidate)
+                return timed(globalbatch.with_batch(candidate, batch) if batch is not None else candidate)
 
             note = partialchoice.suggestion(plan, with_partial)
             if note:
                 plan = replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note)))
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
-            spec = spec.model_copy(
-                update={
-                    "train": spec.train.model_copy(
-                        update={"gradient_accumulation_steps": plan.gradient_accumulation_steps}
-                    )
-                }
-            )
+            spec = _with_accumulation(spec, plan.gradient_accumulation_steps)
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None
     return plan, preference.with_reference_key(ds_config, reference)
 

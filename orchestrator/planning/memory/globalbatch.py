@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from ...errors import InputError
 from ...spec.job import JobSpec
-from .search import Allowed
+from .search import Allowed, MemoryPlan
 
 
 class GlobalBatchImpossible(InputError):
@@ -96,6 +96,12 @@ def constrain(allowed: Allowed, batch: GlobalBatch, world: int, accumulation: in
 
 def accumulation_for(batch: GlobalBatch, micro: int, world: int) -> int:
     return batch.rows // (micro * world)
+
+
+def with_batch(plan: MemoryPlan, batch: GlobalBatch) -> MemoryPlan:
+    """A fitting plan's accumulation for the fixed global batch at its micro-batch, and the key that fixed it."""
+    steps = accumulation_for(batch, plan.choice.micro_batch_size, plan.world_size)
+    return replace(plan, gradient_accumulation_steps=steps, global_batch_key=batch.key)
 
 
 def refuse_unfit(batch: GlobalBatch, world: int, accumulation: int | None, largest_micro: int | None) -> None:

@@ -58,23 +58,24 @@ def preflight_host(runs_log: str):
 
 
 def without_other_passes(card: str, folder: str) -> dict:
-    """One launch re-predicted with ``HOST_OTHER_PASSES`` at 0, and the host's AdamW seconds it is a multiple of."""
+    """One launch re-predicted without ``HOST_OTHER_PASSES``, and the host's AdamW seconds it is a multiple of.
+
+    The step is linear in the constant (``offloaded_optimizer_seconds``: (1 + passes) x the AdamW's seconds), and
+    the launch's micro-batch and recomputed layers are fixed, so the step without it is today's step less the
+    constant's share."""
     from plans_report import predicted
 
-    from orchestrator.planning.speed import offload
+    from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 
     path = REPO / folder
     result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
     host = preflight_host((path / "runs.log").read_text(encoding="utf-8"))
-    fitted, offload.HOST_OTHER_PASSES = offload.HOST_OTHER_PASSES, 0.0
-    try:
-        plan, step_s = predicted(result, host, card)
-    finally:
-        offload.HOST_OTHER_PASSES = fitted
+    plan, step_s = predicted(result, host, card)
     on_host = plan.estimate.trainable_params - plan.estimate.optimizer_on_gpu  # one rank: the node's partition
+    adam_s = on_host / host.adam_params_per_s
     return {
-        "card": card, "folder": folder, "plan": plan, "host": host, "without_s": step_s,
-        "adam_s": on_host / host.adam_params_per_s, "measured_s": result["median_step_s"],
+        "card": card, "folder": folder, "plan": plan, "host": host, "without_s": step_s - HOST_OTHER_PASSES * adam_s,
+        "adam_s": adam_s, "measured_s": result["median_step_s"],
     }  # fmt: skip
 
 

@@ -111,6 +111,16 @@ def test_the_plan_ranks_its_fitting_candidates_and_tune_takes_the_top_k_with_the
     assert tune_candidates(plan.ranked, moved, 3) == [moved, *plan.ranked[:2]]
 
 
+class _Notes:
+    """What measure_each tells the user, kept."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def note(self, text):
+        self.lines.append(text)
+
+
 def test_a_candidate_that_fails_is_recorded_with_its_reason_and_the_others_still_run():
     candidates = [Choice(4, False, "none"), Choice(8, True, "none", 1), Choice(2, False, "none")]
     ran = []
@@ -121,14 +131,7 @@ def test_a_candidate_that_fails_is_recorded_with_its_reason_and_the_others_still
             raise RuntimeFailure("job x failed: CUDA out of memory")
         return Measured(0, 0, "none", 0, tokens_per_s=100.0 * rank)
 
-    class Notes:
-        def __init__(self):
-            self.lines = []
-
-        def note(self, text):
-            self.lines.append(text)
-
-    notes = Notes()
+    notes = _Notes()
     measured = measure_each(candidates, 2, run, notes)
     assert ran == [4, 8, 2, 4]  # the model's choice, beaten, once more at the end: no faster, the first run counts
     assert measured == [
@@ -137,14 +140,6 @@ def test_a_candidate_that_fails_is_recorded_with_its_reason_and_the_others_still
         Measured(2, 0, "none", 3, tokens_per_s=300.0),
     ]
     assert "tune: candidate 2: failed: job x failed: CUDA out of memory" in notes.lines
-
-
-class _Notes:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def note(self, text):
-        self.lines.append(text)
 
 
 def test_the_models_choice_beaten_runs_again_last_and_its_faster_run_counts():

@@ -33,34 +33,72 @@ def _where(frames: list[dict[str, Any]] | None) -> str:
     return "no stack: before the trace window, or torch internals" if not frames else "torch internals"
 
 
+def _group(frames: list[dict[str, Any]] | None) -> str:
+    """The allocating line, and where a trainer's line led there (a preference trainer runs the policy's and the
+    reference's forwards through the same model lines), that line too."""
+    where = _where(frames)
+    for frame in frames or []:
+        name = frame.get("filename", "")
+        if name.endswith("_trainer.py"):
+            return f"{where} (from {name.split('/')[-1]}:{frame.get('line')})"
+    return where
+
+
 def _stack(frames: list[dict[str, Any]] | None, depth: int = 6) -> list[str]:
     kept = [f for f in frames or [] if "/torch/" not in f.get("filename", "")]
     return ["/".join(f["filename"].split("/")[-3:]) + f":{f.get('line')} {f.get('name')}" for f in kept[:depth]]
 
 
-def peak_live(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
-    events = snapshot["device_traces"][device]
-    # What is live at the snapshot: its segments' allocated blocks. The trace is undone from there, so a
-    # trace whose oldest events the ring buffer dropped still gives the right totals for what it holds.
-    live = {
+# The markers benchmarks/memory_trace/sitecustomize.py allocates as each Tensor.backward begins and ends: a
+# frame of that name in an allocation's stack splits the trace into the backward and the rest (the forwards,
+# a preference stage's reference forward, the optimizer step).
+BACKWARD_BEGINS = "_backward_begins"
+BACKWARD_ENDS = "_backward_ends"
+
+
+def _live_at_end(snapshot: dict[str, Any], device: int) -> dict[int, int]:
+    """What is live at the snapshot: its segments' allocated blocks, by address."""
+    return {
         block["address"]: block["size"]
         for segment in snapshot.get("segments", [])
         if segment.get("device", device) == device
         for block in segment.get("blocks", [])
         if block.get("state") in ("active_allocated", "active_pending_free")
     }
+
+
+def _totals(events: list[dict[str, Any]], live: dict[int, int]) -> tuple[list[int], dict[int, int]]:
+    """The allocated total after each event, and what was live before the first. The trace is undone from the
+    snapshot, so a trace whose oldest events the ring buffer dropped still gives the right totals."""
+    live = dict(live)
     total = sum(live.values())
-    peak, peak_at = total, len(events) - 1
+    totals = [0] * len(events)
     for index in range(len(events) - 1, -1, -1):  # total after event `index`, then undo it
-        if total >= peak:
-            peak, peak_at = total, index
+        totals[index] = total
         event = events[index]
         if event["action"] == "alloc":
             total -= live.pop(event["addr"], event["size"])
         elif event["action"] == "free_completed":
             live[event["addr"]] = event["size"]
             total += event["size"]
-    at_start = dict(live)
+    return totals, live
+
+
+def _in_backward(events: list[dict[str, Any]]) -> list[bool]:
+    """Whether each event falls between a backward-begins marker and its backward-ends marker."""
+    inside, flags = False, []
+    for event in events:
+        names = {frame.get("name") for frame in event.get("frames") or []} if event["action"] == "alloc" else ()
+        if BACKWARD_BEGINS in names:
+            inside = True
+        elif BACKWARD_ENDS in names:
+            inside = False
+        flags.append(inside)
+    return flags
+
+
+def _summary(events: list[dict[str, Any]], at_start: dict[int, int], peak: int, peak_at: int) -> dict[str, Any]:
+    """What was live after event ``peak_at``, grouped by the code that allocated it."""
     blocks: dict[int, tuple[int, list]] = {addr: (size, []) for addr, size in at_start.items()}
     for event in events[: peak_at + 1]:  # forward from the window's start to the peak, with each stack
         if event["action"] == "alloc":
@@ -71,15 +109,13 @@ def peak_live(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     stacks: dict[str, list[str]] = {}
     for size, frames in blocks.values():
-        key = _where(frames)
+        key = _group(frames)
         groups[key][0] += size
         groups[key][1] += 1
         stacks.setdefault(key, _stack(frames))
     ranked = sorted(groups.items(), key=lambda item: -item[1][0])
     peak_frames = events[peak_at].get("frames") if peak_at >= 0 else []
     return {
-        "events": len(events),
-        "live_at_window_start_gib": round(sum(at_start.values()) / GIB, 3),
         "live_at_peak_from_before_window_gib": round(before / GIB, 3),
         "peak_bytes": peak,
         "peak_gib": round(peak / GIB, 3),
@@ -94,16 +130,49 @@ def peak_live(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
     }
 
 
+def _highest(totals: list[int], indices) -> int:
+    """The first of the indices with the highest total (-1 where there are none)."""
+    return max(indices, key=lambda i: (totals[i], -i), default=-1)
+
+
+def peak_live(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
+    """The highest allocated moment and what was live there; where the trace holds backward markers, also the
+    highest moment inside a backward and the highest outside one (``phases``)."""
+    events = snapshot["device_traces"][device]
+    totals, at_start = _totals(events, _live_at_end(snapshot, device))
+    peak_at = _highest(totals, range(len(events)))
+    peak = totals[peak_at] if events else sum(at_start.values())
+    summary = {"events": len(events), "live_at_window_start_gib": round(sum(at_start.values()) / GIB, 3)}
+    summary.update(_summary(events, at_start, peak, peak_at))
+    flags = _in_backward(events)
+    if any(flags):
+        summary["phases"] = {}
+        for phase, wanted in (("backward", True), ("outside backward", False)):
+            indices = [i for i, flag in enumerate(flags) if flag is wanted]
+            at = _highest(totals, indices)
+            summary["phases"][phase] = _summary(events, at_start, totals[at], at)
+    return summary
+
+
 def lines(summary: dict[str, Any]) -> list[str]:
     out = [
         f"peak {summary['peak_gib']:.2f} GiB allocated ({summary['live_blocks']} blocks; {summary['events']} events; "
         f"{summary['live_at_window_start_gib']:.2f} GiB live when the trace starts)",
-        "allocated at the peak by: " + " <- ".join(summary["peak_allocation_stack"][:4]),
+        *lines_of_groups(summary),
+    ]
+    for phase, part in summary.get("phases", {}).items():
+        out += ["", f"### the highest moment {phase}: {part['peak_gib']:.2f} GiB", *lines_of_groups(part)]
+    return out
+
+
+def lines_of_groups(part: dict[str, Any]) -> list[str]:
+    out = [
+        "allocated at the peak by: " + " <- ".join(part["peak_allocation_stack"][:4]),
         "| GiB | blocks | allocated at (innermost frame outside torch/) |",
         "|---|---|---|",
     ]
-    out += [f"| {g['gib']:.3f} | {g['blocks']} | {g['where']} |" for g in summary["groups"]]
-    out.append(f"| {summary['rest_gib']:.3f} | | the rest |")
+    out += [f"| {g['gib']:.3f} | {g['blocks']} | {g['where']} |" for g in part["groups"]]
+    out.append(f"| {part['rest_gib']:.3f} | | the rest |")
     return out
 
 

@@ -22,6 +22,9 @@ API (stable; callers rely on it):
 - ``merge(base, overrides) -> dict``: deep merge, overrides win.
 - ``fill_auto(ds, resolved, world_size, spec) -> dict``: replace ``"auto"`` values
   with the resolved ones, for a config that must be concrete before launch.
+- ``with_pure_bf16(ds, spec) -> dict``: ``train.pure_bf16`` as DeepSpeed's two bf16 keys
+  (``PURE_BF16_KEYS``), where the config leaves them open; ``pure_bf16_of(ds) -> bool``: whether
+  a config keeps bf16 master weights, gradients and optimizer states.
 - ``auto_filled(user, final, overrides) -> list[(key, value)]``: which of ``zero.config``'s
   ``"auto"`` values the job's config filled, and with what (``launch --dry-run`` shows them);
   ``auto_left(final) -> list[key]``: those still ``"auto"`` (the HF Trainer fills them).
@@ -103,6 +106,13 @@ def resolve_precision(spec: JobSpec, *, bf16_supported: bool = True) -> Precisio
     if spec.accelerator == "cpu":
         # DeepSpeed's CPU path is for tests and small runs; fp32 keeps its results exact.
         return "fp32"
+    if not bf16_supported and spec.train.pure_bf16:
+        # The spec's own check (spec/job.py) cannot know the GPUs: preflight's compute capability decides here.
+        raise SpecError(
+            "train.pure_bf16: these GPUs have no bf16 (compute capability below 8.0), so train.precision: auto "
+            "is fp16 on them, and pure_bf16 keeps bf16 states",
+            fix="remove train.pure_bf16 (fp16 mixed precision keeps fp32 master weights), or use GPUs with bf16",
+        )
     return "bf16" if bf16_supported else "fp16"
 
 
@@ -189,6 +199,34 @@ def _auto(value: int | None) -> int | str:
     return "auto" if value is None else value
 
 
+# DeepSpeed's keys of the "bf16" section (runtime/precision_config.py) that ``train.pure_bf16`` sets: the ZeRO
+# optimizer's master weights and gradient partitions in bf16, and AdamW's m and v with them. Both or neither:
+# DeepSpeed refuses the states alone, and wants its CPU Adam on offloaded states for the master weights alone.
+PURE_BF16_KEYS = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+
+
+def with_pure_bf16(config: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """``config`` with ``train.pure_bf16`` in its enabled bf16 section, where the section leaves a key open.
+
+    Open: absent, or ``"auto"``. A value the user's ``zero.config`` writes stays (as ``fill_auto`` keeps every
+    other written value); a config that does not run bf16 gets no key (the planner then refuses the job).
+    """
+    section = config.get("bf16")
+    if not isinstance(section, dict) or section.get("enabled") is not True:
+        return config
+    out = copy.deepcopy(config)
+    for key in PURE_BF16_KEYS:
+        if out["bf16"].get(key, "auto") == "auto" and (spec.train.pure_bf16 or key in out["bf16"]):
+            out["bf16"][key] = spec.train.pure_bf16
+    return out
+
+
+def pure_bf16_of(ds: dict[str, Any]) -> bool:
+    """Whether a config keeps bf16 master weights, gradients and optimizer states (``train.pure_bf16``)."""
+    section = ds.get("bf16")
+    return isinstance(section, dict) and all(section.get(key) is True for key in ("enabled", *PURE_BF16_KEYS))
+
+
 def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[str, Any]:
     """The generated ZeRO-3 config for ``world_size`` ranks, ``zero.overrides`` merged last."""
     if world_size < 1:
@@ -243,7 +281,7 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
         "train_batch_size": resolved.micro_batch_size * accumulation * world_size,
         "gradient_clipping": train.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": resolved.precision == "bf16"},
+        "bf16": {"enabled": resolved.precision == "bf16"},  # train.pure_bf16's keys: with_pure_bf16, below
         "fp16": {
             "enabled": resolved.precision == "fp16",
             # loss_scale 0 = dynamic loss scaling, needed for fp16 to not under/overflow.
@@ -260,7 +298,7 @@ def build_ds_config(spec: JobSpec, resolved: Resolved, world_size: int) -> dict[
         config["optimizer"] = config_optimizer
     if resolved.nvme_path is not None:
         config["aio"] = dict(AIO_CONFIG)
-    return merge(config, spec.zero.overrides)
+    return merge(with_pure_bf16(config, spec), spec.zero.overrides)
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -335,7 +373,7 @@ def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: Job
         section = out.get(name)
         if isinstance(section, dict) and section.get("enabled") == "auto":
             section["enabled"] = resolved.precision == name
-    return out
+    return with_pure_bf16(out, spec)
 
 
 def _auto_paths(config: Any, prefix: str = "") -> list[str]:

@@ -408,6 +408,12 @@ class TrainSpec(_Strict):
     warmup_ratio: float = Field(0.0, ge=0, le=1)
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
     precision: Literal["bf16", "fp16", "fp32", "auto"] = "auto"
+    # true: DeepSpeed keeps the master weights, gradients and AdamW's m and v in bf16 (its
+    # bf16_master_weights_and_grads and bf16_optimizer_states): 10 bytes a trained parameter
+    # on the GPUs instead of 16, for bf16's rounding of every update (LLaMA-Factory's pure_bf16,
+    # axolotl's bf16: full and bfloat16). Needs bf16 precision and keeps the optimizer on the GPUs (no
+    # zero.offload of it); LoRA's adapters may take it too (docs/memory-planner.md).
+    pure_bf16: bool = False
     # true: every decoder layer recomputes its activations; N: the first N (selective); auto: the
     # planner picks N with the micro-batch (planning/speed/recompute.py).
     gradient_checkpointing: Union[bool, Annotated[int, Field(ge=0)], Literal["auto"]] = "auto"  # noqa: UP007
@@ -742,6 +748,7 @@ def load_job(
     if spec.data.dataset is not None:
         loaded = _with_registry_sources(loaded)
     _check_fused_loss(loaded)
+    _check_pure_bf16(loaded)
     _check_eval(loaded)
     return loaded
 
@@ -792,6 +799,37 @@ def _check_eval(loaded: LoadedJob) -> None:
         raise SpecError(
             f"{loaded.where('train.save_best')}: train.save_best keeps a checkpoint, and train.save is false",
             fix="set train.save: true, or remove train.save_best",
+        )
+
+
+# zero.offload values that move the optimizer to the hosts (NVMe holds it too).
+OPTIMIZER_OFFLOADS = ("optimizer", "all", "nvme")
+
+
+def _check_pure_bf16(loaded: LoadedJob) -> None:
+    """``train.pure_bf16`` needs bf16 to run in, and an optimizer on the GPUs (docs/memory-planner.md says why)."""
+    spec = loaded.spec
+    if not spec.train.pure_bf16:
+        return
+    where = loaded.where("train.pure_bf16")
+    precision = spec.train.precision
+    not_bf16 = {"fp16": "fp16", "fp32": "fp32"}.get(precision)
+    if precision == "auto" and spec.accelerator == "cpu":
+        not_bf16 = "auto, which is fp32 on accelerator: cpu"
+    if not_bf16:
+        raise SpecError(
+            f"{where}: train.pure_bf16 keeps the weights, gradients and AdamW states in bf16, and this job's "
+            f"train.precision is {not_bf16}",
+            fix="set train.precision: bf16 (or auto on GPUs with bf16), or remove train.pure_bf16",
+        )
+    if spec.zero.offload in OPTIMIZER_OFFLOADS:
+        # DeepSpeed would need its CPU Adam built to keep bf16 moments (fp32_optimizer_states=False), a path
+        # dzctl has neither planned (host RAM, the host's AdamW rate are fp32's) nor run.
+        raise SpecError(
+            f"{where}: train.pure_bf16 keeps the optimizer on the GPUs, and zero.offload: {spec.zero.offload} "
+            "moves it to the hosts",
+            fix="set zero.offload: none (or auto: the planner then never offloads), or remove train.pure_bf16 "
+            "to offload fp32 optimizer states",
         )
 
 

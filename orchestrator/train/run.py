@@ -210,6 +210,9 @@ def training_arguments(
         # GPU: HF hands it to accelerate, which starts DeepSpeed's (NCCL) group with it.
         ddp_timeout=int(group_timeout.total_seconds()),
         accelerator_config={"use_configured_state": True} if on_cpu else None,
+        # CPU ranks: HF otherwise refuses bf16 (train.precision: bf16, train.pure_bf16) without a bf16 GPU.
+        # Nothing else changes for them: the state above is already the CPU's, and no memory is pinned.
+        use_cpu=on_cpu,
         output_dir=str(settings.output_dir),
         per_device_train_batch_size=settings.micro_batch_size,
         gradient_accumulation_steps=settings.gradient_accumulation_steps,

@@ -171,7 +171,7 @@ def tune(
             kind=result.kind,
             seq_len=memory.seq_len,
             method=job.spec.train.method,
-            precision=memory.precision,
+            precision=memory.calibration_precision,
             ranks_per_node=node.num_slots,
         )
         record = Calibration(

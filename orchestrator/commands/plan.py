@@ -227,7 +227,8 @@ def render(plan: MemoryPlan, shape: ModelShape, spec: JobSpec) -> str:
         f"{shape.num_layers} layers, {shape.num_heads} heads / {shape.num_kv_heads} KV",
         f"  shape from {shape.source}",
         f"nodes {nodes_description(hw.slots_per_node, hw.gpu_mem_gib, hw.host_mem_gib)}; "
-        f"seq {plan.seq_len}, {plan.precision}",
+        f"seq {plan.seq_len}, {plan.precision}"
+        + (" (pure: bf16 master weights, gradients and Adam states)" if plan.estimate.pure_bf16 else ""),
         f"{'choice' if plan.fits else 'closest allowed setup'}: micro-batch {c.micro_batch_size} "
         f"({how(train.micro_batch_size)}), gradient checkpointing "
         f"{c.checkpointing_words(plan.estimate.num_layers)} ({how(train.gradient_checkpointing)}), offload {c.offload} "

@@ -9,7 +9,8 @@ per micro-batch = micro_batch_size × seq_len, P = bytes per bf16/fp16/fp32 valu
 
 * Model states, partitioned over all W GPUs by ZeRO-3 (ZeRO paper, §5):
   parameters P·N/W, gradients P·N/W (DeepSpeed accumulates in the model dtype by
-  default), fp32 master copy 4·N/W (mixed precision only) and Adam m, v 8·N/W.
+  default), fp32 master copy 4·N/W (mixed precision only) and Adam m, v 8·N/W; with
+  ``train.pure_bf16`` a bf16 master copy 2·N/W and Adam m, v 4·N/W (``OptimizerStates``).
   ``offload_optimizer`` moves master, Adam and gradients to host RAM; ``offload_param``
   moves the parameter partitions too.
 * ZeRO-3 working set: the largest single weight gathered whole (for these models
@@ -153,6 +154,30 @@ PARTIAL_OFFLOAD_TERM = "fp32 master + Adam m,v + fp32 grads (sub-groups on the G
 
 def bytes_per_value(precision: Precision) -> int:
     return 4 if precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    """What the ZeRO optimizer keeps per trained element beside the 16-bit weight and gradient: its master copy, and
+    Adam's m and v together (bytes), under the name the breakdown shows; and the bytes per element of the gradient
+    sub-group its step makes in the master's dtype (stage3.py's _prepare_fp32_grad_for_sub_group)."""
+
+    master: int
+    adam: int
+    step_gradient: int
+    term: str
+
+    @classmethod
+    def kept(cls, p: int, pure_bf16: bool) -> OptimizerStates:
+        if pure_bf16:
+            # train.pure_bf16 (DeepSpeed 0.19's bf16_master_weights_and_grads + bf16_optimizer_states): the "fp32"
+            # partitions of stage3.py's _create_fp32_partitions are bf16, still a copy beside the bf16 weights (its
+            # shortcut that would reuse them compares the tensor's torch.device with the accelerator's device name,
+            # a str, which is never equal: tests/test_pure_bf16.py sees the two apart), and torch's AdamW keeps m
+            # and v in its parameter's dtype.
+            return cls(master=2, adam=4, step_gradient=2, term="bf16 master + Adam m,v")
+        # Mixed precision: an fp32 master copy; in fp32 the weights are their own master. Adam's m and v in fp32.
+        return cls(master=4 if p < 4 else 0, adam=8, step_gradient=4, term="fp32 master + Adam m,v")
 
 
 def pinned_bytes(size: int) -> int:
@@ -348,6 +373,7 @@ class Estimate:
     num_layers: int = 0  # decoder layers of the model (what checkpointed_layers counts against)
     partial_offload: PartialOffload | None = None  # the user's offload_optimizer.ratio, where it applies
     optimizer_on_gpu: int = 0  # elements of the rank's trained shard whose optimizer steps on the GPU
+    pure_bf16: bool = False  # train.pure_bf16: master weights, gradients and Adam's m and v in bf16
 
     @property
     def nvme_per_rank(self) -> int:
@@ -380,6 +406,7 @@ def estimate(
     hpz_partition_size: int = 1,
     kv_repeated: bool = False,
     partial_offload: PartialOffload | None = None,
+    pure_bf16: bool = False,
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
 
@@ -388,7 +415,8 @@ def estimate(
     ``hpz_partition_size`` > 1 (ZeRO++ hpZ): each GPU also holds its share of a node-wide
     secondary copy of the gathered weights (model dtype, over that many GPUs).
     ``partial_offload``: where the optimizer is offloaded to the host (not with the weights), the
-    sub-groups DeepSpeed keeps on the GPU (``PartialOffload``).
+    sub-groups DeepSpeed keeps on the GPU (``PartialOffload``). ``pure_bf16`` (``train.pure_bf16``): the master
+    copy, the step's gradient and Adam's m and v in bf16 (``OptimizerStates``); the optimizer stays on the GPU.
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
@@ -400,8 +428,8 @@ def estimate(
     # What has gradients and optimizer states: everything, or the adapters (partitioned too).
     trainable = lora.adapter_params(shape) if lora else n
     tshard = math.ceil(trainable / world_size)
-    master = 4 if p < 4 else 0  # fp32 master weights exist only in mixed precision
-    adam = 8  # Adam's m and v in fp32
+    states = OptimizerStates.kept(p, pure_bf16)
+    master, adam = states.master, states.adam
     # DeepSpeed's partial offload applies where only the optimizer goes to the host.
     partial = partial_offload if choice.offload == "optimizer" else None
     on_gpu = partial.on_gpu(tshard) if partial else 0
@@ -437,7 +465,7 @@ def estimate(
             gpu[PARTIAL_OFFLOAD_TERM] = GPU_SUB_GROUP_BYTES_PER_ELEMENT * on_gpu
     else:
         gpu["grads"] = g * tshard
-        gpu["fp32 master + Adam m,v"] = (master + adam) * tshard
+        gpu[states.term] = (master + adam) * tshard
     host["process"] = int(RANK_HOST_GIB * GIB)
     host["data (mapped cache, private)"] = int(DATA_RANK_PRIVATE_GIB * GIB)
     gpu["persistent small params"] = p * shape.num_layers * shape.small_params_per_layer
@@ -510,10 +538,10 @@ def estimate(
             "activations (all layers)": shape.num_layers * full_layer + final_norm,
             "logits + loss": logits,
         }
-    # Optimizer step: activations are gone; the fp32 gradient of one sub-group is made
-    # and torch's multi-tensor AdamW needs about one more such buffer of temporaries.
+    # Optimizer step: activations are gone; the gradient of one sub-group is made in the master's
+    # dtype (fp32, or bf16 with pure_bf16) and torch's AdamW needs about one more such buffer of temporaries.
     if not choice.offload_optimizer:
-        step = 2 * 4 * min(tshard, SUB_GROUP_SIZE)
+        step = 2 * states.step_gradient * min(tshard, SUB_GROUP_SIZE)
     elif on_gpu:
         # Sub-groups stepped on the GPU under a partial offload keep their fp32 gradient (counted above); torch's
         # AdamW over one of them still needs about one such buffer of temporaries.
@@ -538,6 +566,7 @@ def estimate(
         num_layers=shape.num_layers,
         partial_offload=partial,
         optimizer_on_gpu=on_gpu,
+        pure_bf16=pure_bf16,
     )
 
 

@@ -12,7 +12,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import InputError
-from ..dsconfig import ds_config_for, merge, offload_of, resolve_precision
+from ..dsconfig import (
+    PURE_BF16_KEYS,
+    ds_config_for,
+    merge,
+    offload_of,
+    pure_bf16_of,
+    resolve_defaults,
+    resolve_precision,
+)
 from ..inputs import JobInputs
 from ..shape import ModelShape
 from ..speed import partialchoice
@@ -211,6 +219,55 @@ def precision_for(inputs: JobInputs, *, bf16_supported: bool = True) -> Precisio
     return resolve_precision(inputs.spec, bf16_supported=bf16_supported)
 
 
+def _user_config_where(inputs: JobInputs) -> str:
+    """Where the job's own DeepSpeed settings come from: its ``zero.config`` file, else ``zero.overrides``."""
+    spec = inputs.spec
+    return f"zero.config {spec.zero.config}" if spec.zero.config else inputs.job.where("zero.overrides")
+
+
+def pure_bf16_for(inputs: JobInputs, precision: Precision, *, bf16_supported: bool = True) -> bool:
+    """Whether DeepSpeed will keep bf16 master weights, gradients and optimizer states: read from the config the job
+    will run with (``train.pure_bf16`` written by dsconfig, or a ``zero.config`` that says so itself).
+
+    Refused, naming the keys: ``train.pure_bf16`` that the config undoes or runs without bf16.
+    """
+    spec = inputs.spec
+    config = ds_config_for(spec, inputs.user_ds_config, resolve_defaults(spec, bf16_supported=bf16_supported), 1)
+    pure = pure_bf16_of(config)
+    if spec.train.pure_bf16 and not pure:
+        bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
+        undone = [key for key in ("enabled", *PURE_BF16_KEYS) if bf16.get(key) is not True]
+        raise InputError(
+            f"{inputs.job.where('train.pure_bf16')}: train.pure_bf16 needs the DeepSpeed config's bf16 section "
+            f"with {', '.join(PURE_BF16_KEYS)} true, and {_user_config_where(inputs)} leaves bf16.{undone[0]} "
+            f"{bf16.get(undone[0], 'unset')!r} (this job runs {precision})",
+            fix=f'set bf16.{undone[0]} to true or "auto" there, or remove train.pure_bf16',
+        )
+    return pure
+
+
+def _optimizer_stays_on_the_gpus(inputs: JobInputs, allowed: Allowed) -> Allowed:
+    """A pure-bf16 plan never offloads the optimizer: offload auto becomes none, and a config that offloads is refused.
+
+    DeepSpeed would step offloaded bf16 states only with its CPU Adam built to keep them in bf16
+    (``fp32_optimizer_states=False``, base_optimizer.py's _configure_master_weights), and the planner's host terms
+    and the host's AdamW rate are fp32's: a path dzctl has neither planned nor run.
+    """
+    if allowed.offload in (None, "none"):
+        return replace(allowed, offload="none")
+    spec = inputs.spec
+    config = _user_config_where(inputs)
+    if spec.train.pure_bf16:
+        asked, undo = f"{inputs.job.where('train.pure_bf16')}: train.pure_bf16 keeps", "remove train.pure_bf16"
+    else:  # the user's own config asks for both
+        asked, undo = f"{config}: bf16.{' and '.join(PURE_BF16_KEYS)} keep", "set them false"
+    raise InputError(
+        f"{asked} the optimizer on the GPUs, and {config} offloads it "
+        f"(zero_optimization.offload_optimizer/offload_param: {allowed.offload})",
+        fix=f"remove the offload sections from the DeepSpeed config, or {undo} (fp32 states may offload)",
+    )
+
+
 def data_terms(inputs: JobInputs) -> dict[str, int]:
     """The data's host RAM per node: the builder, and the mapped cache's pages (from the shipped files' size)."""
     if inputs.spec.data.synthetic:
@@ -260,6 +317,9 @@ def plan_for_job(
     lora = LoraShape.from_spec(spec.train.lora)
     allowed = allowed_from(inputs)
     precision = precision_for(inputs, bf16_supported=bf16_supported)
+    pure_bf16 = pure_bf16_for(inputs, precision, bf16_supported=bf16_supported)
+    if pure_bf16:
+        allowed = _optimizer_stays_on_the_gpus(inputs, allowed)
     batch = globalbatch.global_batch(spec)
     accumulation = globalbatch.fixed_accumulation(spec)
     free = allowed
@@ -284,6 +344,7 @@ def plan_for_job(
             kv_repeated=spec.accelerator == "gpu" and (inputs.packing or spec.train.stage != "sft"),
             fetch_unit=spec.zero.fetch_unit,
             gpu_kind=speed.gpu.name if speed is not None and speed.gpu is not None else None,
+            pure_bf16=pure_bf16,
         )
 
     plan = planned(spec.train.method == "lora")
@@ -295,7 +356,7 @@ def plan_for_job(
             plan, spec.train, inputs.shape.total_params, lambda hw: planned(spec.train.method == "lora", allowed, hw)
         )
     if plan.fits and calibration is not None:
-        plan = _calibrated(plan, inputs, calibration, allowed, precision, planned)
+        plan = _calibrated(plan, inputs, calibration, allowed, plan.calibration_precision, planned)
     if batch is not None:
         if plan.fits:
             plan = globalbatch.with_batch(plan, batch)
@@ -310,7 +371,8 @@ def plan_for_job(
             plan = replace(plan, lora_alternative=alternative)
         # NVMe is named only where no disk was measured (a measured one already had its chance) and no
         # hand-written zero.config decides offload; its disk space is then preflight's to check.
-        if spec.accelerator == "gpu" and hardware.nvme is None and inputs.user_ds_config is None:
+        # Not for pure bf16: its optimizer stays on the GPUs (_optimizer_stays_on_the_gpus).
+        if spec.accelerator == "gpu" and hardware.nvme is None and inputs.user_ds_config is None and not pure_bf16:
             on_disk = planned(False, replace(allowed, offload="nvme"))
             if on_disk.fits:
                 plan = replace(plan, nvme_alternative=on_disk)

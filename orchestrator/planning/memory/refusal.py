@@ -78,6 +78,9 @@ def fit_fix(plan: MemoryPlan) -> str:
         fix += f"; or train LoRA adapters instead of all weights: {lora_sets(plan.lora_alternative.lora)}"
     if plan.nvme_alternative is not None:
         fix += f"; or offload to a local NVMe folder on every node: {NVME_SETS}"
+    if plan.estimate.pure_bf16:
+        # pure_bf16 plans keep the optimizer on the GPUs (fromjob.py): offload needs its fp32 states.
+        fix += "; or remove train.pure_bf16, which lets the planner offload the (fp32) optimizer states"
     return fix
 
 

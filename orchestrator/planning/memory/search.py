@@ -138,6 +138,12 @@ class MemoryPlan:
         return self.estimate.choice
 
     @property
+    def calibration_precision(self) -> str:
+        """The precision a ``dzctl tune`` record is keyed by: pure bf16 keeps other states (other memory, other
+        candidates), so its measurements are its own."""
+        return f"{self.precision}-pure" if self.estimate.pure_bf16 else self.precision
+
+    @property
     def train_batch_size(self) -> int:
         return self.choice.micro_batch_size * self.gradient_accumulation_steps * self.world_size
 
@@ -201,6 +207,8 @@ class MemoryPlan:
             "lora_alternative": self._alternative_dict(),
             "nvme_alternative": self._nvme_alternative_dict(),
             "precision": self.precision,
+            # train.pure_bf16: master weights, gradients and Adam's m and v in bf16 (the ds_config's bf16 keys)
+            "pure_bf16": self.estimate.pure_bf16,
             "fused_loss": self.fused_loss,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
@@ -359,6 +367,7 @@ def plan_memory(
     kv_repeated: bool = False,
     fetch_unit: str = "module",  # zero.fetch_unit as the spec has it (auto: resolved per candidate)
     gpu_kind: str | None = None,  # the nodes' GPU kind (steptime.GPU_KINDS' name): whose recompute costs rank
+    pure_bf16: bool = False,  # train.pure_bf16: bf16 master weights, gradients and Adam states (estimate.py)
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -392,6 +401,7 @@ def plan_memory(
             lora=lora,
             kv_repeated=kv_repeated,
             partial_offload=allowed.partial_offload,
+            pure_bf16=pure_bf16,
         )
         ok, why = _fits(est, hardware, accelerator)
         tried.append((choice, ok, why))
@@ -449,7 +459,9 @@ def plan_memory(
             **common,
         )
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated)
+    least = _least_demanding(
+        shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated, pure_bf16
+    )
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
@@ -458,7 +470,7 @@ def plan_memory(
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
         min_nodes=smallest_fitting_nodes(
-            shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated
+            shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated, pure_bf16
         ),
         **common,
     )
@@ -523,6 +535,7 @@ def _least_demanding(
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
     kv_repeated: bool = False,
+    pure_bf16: bool = False,
 ) -> Estimate:
     """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
 
@@ -549,6 +562,7 @@ def _least_demanding(
             lora=lora,
             kv_repeated=kv_repeated,
             partial_offload=allowed.partial_offload,
+            pure_bf16=pure_bf16,
         )
         for offload in allowed.offloads(accelerator, hardware.nvme is not None)
         for choice in allowed.least_choices(offload, shape.num_layers)
@@ -566,6 +580,7 @@ def smallest_fitting_nodes(
     fused_loss: FusedLoss = "none",
     lora: LoraShape | None = None,
     kv_repeated: bool = False,
+    pure_bf16: bool = False,
 ) -> int | None:
     """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
 
@@ -587,6 +602,7 @@ def smallest_fitting_nodes(
                     lora=lora,
                     kv_repeated=kv_repeated,
                     partial_offload=allowed.partial_offload,
+                    pure_bf16=pure_bf16,
                 )
                 if _fits(est, bigger, accelerator)[0]:
                     return count

@@ -26,7 +26,8 @@ so an optimizer step of A micro-steps takes A of them, and then the optimizer's 
 
 a memory-bound pass over each GPU's partition (the gradient norm and clipping, fused AdamW over the
 fp32 master weights and moments, the cast back to the 16-bit weights, the gradients zeroed). B, the
-bytes moved per parameter at the HBM's rated bandwidth, is measured on one H200 (OPTIMIZER_BYTES_PER_PARAM).
+bytes moved per parameter at the HBM's rated bandwidth, is measured on one H200 (OPTIMIZER_BYTES_PER_PARAM;
+half of it with ``train.pure_bf16``'s bf16 states, not measured).
 tokens/s/GPU is over the optimizer step: A · T / (A · step + optimizer).
 """
 
@@ -89,13 +90,18 @@ GPU_KINDS: dict[str, GpuKind] = {
 # 103 bytes per parameter at 4.8 TB/s (by our count one ideal pass of AdamW, its casts and the norm
 # moves about 40: the step runs at about 40 % of the rated bandwidth).
 OPTIMIZER_BYTES_PER_PARAM = 103.0
+# With train.pure_bf16 the step reads and writes bf16 where it moved fp32: the master copy, its gradient and
+# Adam's m and v, 8 bytes of state a parameter instead of 16. Not measured: the fp32 figure scaled by that
+# ratio, on the view that the step stays bound by those bytes.
+PURE_BF16_OPTIMIZER_BYTES_PER_PARAM = OPTIMIZER_BYTES_PER_PARAM * (2 + 2 + 4) / (4 + 4 + 8)
 
 
-def optimizer_seconds(kind: GpuKind, params_per_gpu: float) -> float:
+def optimizer_seconds(kind: GpuKind, params_per_gpu: float, *, pure_bf16: bool = False) -> float:
     """The optimizer's own step on one GPU: its partition of the trained parameters, memory-bound."""
     if kind.hbm_bytes_per_s <= 0:
         return 0.0
-    return params_per_gpu * OPTIMIZER_BYTES_PER_PARAM / kind.hbm_bytes_per_s
+    per_param = PURE_BF16_OPTIMIZER_BYTES_PER_PARAM if pure_bf16 else OPTIMIZER_BYTES_PER_PARAM
+    return params_per_gpu * per_param / kind.hbm_bytes_per_s
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,7 @@ def _optimizer_s(
     (0 where the host's rate is not known: the plan says the prediction is a lower bound)."""
     per_gpu = plan.estimate.trainable_params / world
     if not plan.choice.offload_optimizer:
-        return optimizer_seconds(gpu, per_gpu)
+        return optimizer_seconds(gpu, per_gpu, pure_bf16=plan.estimate.pure_bf16)
     if host is None or plan.choice.offload_param:
         return 0.0
     # A partial offload's sub-groups on the GPU step there, one after another with the host's (stage3.py's step).
@@ -393,6 +393,7 @@ def _with_settings(
             hpz_partition_size=hpz,
             kv_repeated=plan.kv_repeated,
             partial_offload=plan.estimate.partial_offload,
+            pure_bf16=plan.estimate.pure_bf16,
         )
         if fits_hardware(est, plan.hardware, plan.accelerator)[0]:
             break

@@ -217,6 +217,17 @@ def test_ram_needed_grows_with_the_model_in_its_dtype(two_nodes):
     assert (disk_needed(big, False), disk_needed(big, True)) == (1008 * 10**9, 144 * 10**9)
 
 
+def test_pure_bf16_optimizer_files_hold_6_bytes_a_trained_parameter(two_nodes):
+    # train.pure_bf16: the master copy and Adam's m and v are bf16, so the same files hold twice the parameters.
+    n0, n1 = two_nodes
+    nodes = [survey(n0, 0), survey(n1, 1)]
+    spec = {**SPEC, "train": {**SPEC["train"], "pure_bf16": True}}
+    pure = make_plan(choose(4, nodes, "node-local", "j"), nodes, job_id="j", spec=spec, adapter=False,
+                     storage="node-local")  # fmt: skip
+    assert parameters(pure) == 2 * 1200 // 6
+    assert ram_needed(pure) == 2 * 400 * 2  # the bf16 model for the check + one shard, both of 400 parameters
+
+
 def test_the_progress_total_is_what_tar_really_sends(two_nodes):
     n0, n1 = two_nodes
     nodes = [survey(n0, 0), survey(n1, 1)]

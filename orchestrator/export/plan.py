@@ -10,8 +10,8 @@ config. Left out: the 16-bit copy the HF Trainer writes beside the shards
 the shards), the RNG states, the scheduler and the training arguments.
 
 Bytes moved from a node: its ranks' share of the optimizer states (12 bytes per
-trained parameter: fp32 master, Adam m and v) and of the model states (for LoRA, 2
-bytes per frozen bf16 parameter), so about (12·trained + 2·frozen) / nodes.
+trained parameter: fp32 master, Adam m and v; 6 in bf16 with ``train.pure_bf16``) and of the
+model states (for LoRA, 2 bytes per frozen bf16 parameter), so about (12·trained + 2·frozen) / nodes.
 Controller RAM: DeepSpeed's consolidation, called whole (``get_fp32_state_dict_from_zero_checkpoint``),
 holds the whole fp32 model, 4 bytes per parameter (72B: 288 GB). The export calls it lazily
 instead (its optimizer files memory-mapped, each parameter stitched from the ranks' parts when
@@ -31,6 +31,9 @@ from .survey import SHARD, NodeSurvey
 LEFT_OUT = re.compile(r"^(?:[^/]*\.safetensors|[^/]*\.bin|[^/]*\.pth|[^/]*\.pt|[^/]*\.py)$")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHARD_BYTES = 5 * 10**9  # the largest safetensors file written (transformers' default max_shard_size)
+# Bytes of the optimizer files per trained parameter: the master copy, Adam's m and v, each fp32 (4 bytes) or,
+# with train.pure_bf16, bf16 (2 bytes).
+OPTIMIZER_FILE_BYTES = {False: 12, True: 6}
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class ExportPlan:
     dtype: str  # what the model trained in: float32 | bfloat16 | float16
     storage: str  # shared | node-local
     base: str | None = None  # LoRA: the model the adapter was trained on (a folder on node 0, or a hub name)
+    optimizer_bytes_per_param: int = OPTIMIZER_FILE_BYTES[False]  # what the optimizer files hold per trained one
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +146,7 @@ def make_plan(
         dtype=PRECISION_DTYPE.get(precision, "bfloat16"),
         storage=storage,
         base=lora_base(spec, surveys[0].output_dir) if method == "lora" else None,
+        optimizer_bytes_per_param=OPTIMIZER_FILE_BYTES[train.get("pure_bf16") is True],
     )
 
 
@@ -181,11 +186,16 @@ def in_place(plan: ExportPlan, sizes: dict[str, int | None]) -> bool:
 
 def parameters(plan: ExportPlan) -> int:
     """The model's parameters, from the shards' sizes: Adam's optimizer files hold 12 bytes per trained
-    parameter (fp32 master, m, v); the model-state files hold the frozen ones (LoRA's base) in the dtype."""
-    optim = sum(size for n in plan.nodes for rel, size in n.files if rel.endswith("_optim_states.pt"))
+    parameter (fp32 master, m, v; 6 in bf16); the model-state files hold the frozen ones (LoRA's base) in the dtype."""
     model = sum(size for n in plan.nodes for rel, size in n.files if rel.endswith("_model_states.pt"))
     frozen = model // DTYPE_BYTES[plan.dtype] if plan.method == "lora" else 0
-    return optim // 12 + frozen
+    return trained_parameters(plan) + frozen
+
+
+def trained_parameters(plan: ExportPlan) -> int:
+    """The trained parameters, from the optimizer files' sizes."""
+    optim = sum(size for n in plan.nodes for rel, size in n.files if rel.endswith("_optim_states.pt"))
+    return optim // plan.optimizer_bytes_per_param
 
 
 def ram_needed(plan: ExportPlan) -> int:
@@ -205,6 +215,5 @@ def ram_needed(plan: ExportPlan) -> int:
 def disk_needed(plan: ExportPlan, reading_in_place: bool) -> int:
     """Disk beside ``--out``: the gathered files (none when read in place) and the written model in its dtype."""
     gathered = 0 if reading_in_place else plan.nbytes
-    trained = sum(size for n in plan.nodes for rel, size in n.files if rel.endswith("_optim_states.pt")) // 12
-    written = (trained if plan.adapter else parameters(plan)) * DTYPE_BYTES[plan.dtype]
+    written = (trained_parameters(plan) if plan.adapter else parameters(plan)) * DTYPE_BYTES[plan.dtype]
     return gathered + written

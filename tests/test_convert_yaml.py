@@ -281,3 +281,39 @@ def test_max_samples_truncates_each_registry_dataset_as_in_llamafactory(tmp_path
         LF_FULL.read_text().replace("max_samples: 1000", "max_samples: 5") + f"dataset_dir: {FIXTURES / 'data'}\n"
     )
     assert [s.max_rows for s in load_job(job, CPU_SETS).spec.data.all_sources()] == [5, 5]
+
+
+# --- pure bf16: bf16 master weights, gradients and AdamW states (train.pure_bf16) ----------------------
+
+# The CPU settings without their fp32 precision: the converted precision is what is checked.
+CPU_SETS_OWN_PRECISION = tuple(item for item in CPU_SETS if not item.startswith("train.precision="))
+
+
+def test_llamafactory_pure_bf16_becomes_train_pure_bf16_in_bf16(tmp_path):
+    job = tmp_path / "lf.yaml"
+    job.write_text(
+        LF_LORA.read_text()
+        .replace("bf16: true", "pure_bf16: true")
+        .replace("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")
+    )
+    train = load_job(job, CPU_SETS_OWN_PRECISION).spec.train
+    assert (train.pure_bf16, train.precision) == (True, "bf16")
+    rows = [r for r in _conversion(job).rows if r.key == "pure_bf16"]
+    assert [(r.outcome, r.target, r.target_value) for r in rows] == [
+        ("mapped", "train.pure_bf16", True),
+        ("mapped", "train.precision", "bf16"),
+    ]
+    assert rows[0].line == _line_of(job, "pure_bf16")
+
+
+@pytest.mark.parametrize("key", ["bf16: full", "bfloat16: true"])
+def test_axolotls_bf16_without_amp_becomes_train_pure_bf16(tmp_path, key):
+    # axolotl's bf16: full turns AMP off on weights loaded in bf16, as its bfloat16: true ("No AMP") does.
+    job = tmp_path / "ax.yaml"
+    job.write_text(AXOLOTL.read_text().replace("bf16: auto", key))
+    train = load_job(job, (*CPU_SETS_OWN_PRECISION, "train.eval_steps=2")).spec.train
+    assert (train.pure_bf16, train.precision) == (True, "bf16")
+    # bf16: true stays mixed precision (fp32 master weights)
+    job.write_text(AXOLOTL.read_text().replace("bf16: auto", "bf16: true"))
+    train = load_job(job, (*CPU_SETS_OWN_PRECISION, "train.eval_steps=2")).spec.train
+    assert (train.pure_bf16, train.precision) == (False, "bf16")

@@ -20,6 +20,7 @@ from .keymap import (
     ds_config_file,
     held_out_rows,
     ignored,
+    map_pure_bf16,
     names,
     number,
     off,
@@ -119,11 +120,26 @@ def _chat_template(b: Builder, key: str, value: Any) -> None:
                  "data.template")  # fmt: skip
 
 
+# axolotl documents bf16: full only as "'full' for bf16_full_eval"; its trainer builder then turns HF's bf16 (AMP) off
+# on a model it loaded in bf16, so the weights and AdamW's states train in bf16 with no fp32 copy: what its
+# bfloat16: true ("No AMP" in its config reference) also does, and what train.pure_bf16 keeps under ZeRO-3.
+AXOLOTL_PURE_BF16 = "bf16 weights and AdamW states without AMP's fp32 copy, as axolotl trains them"
+
+
 def _bf16(b: Builder, key: str, value: Any) -> None:
     if value == "auto":
         b.map(key, "train.precision", "auto", "bf16 where the GPUs have it, as axolotl's auto")
-    elif value == "full" or truthy(value):
+    elif value == "full":
+        map_pure_bf16(b, key, AXOLOTL_PURE_BF16)
+    elif truthy(value):
         b.map(key, "train.precision", "bf16")
+    else:
+        b.ignore(key, "false")
+
+
+def _bfloat16(b: Builder, key: str, value: Any) -> None:
+    if truthy(value):
+        map_pure_bf16(b, key, AXOLOTL_PURE_BF16)
     else:
         b.ignore(key, "false")
 
@@ -313,7 +329,7 @@ KEYS: dict[str, Handler] = {
     "bf16": _bf16,
     "fp16": _fp16,
     "tf32": ignored(SPEED + ": matmul precision of fp32 layers on the GPUs"),
-    "bfloat16": off("bf16 weights without fp32 master weights: dzctl keeps fp32 master weights"),
+    "bfloat16": _bfloat16,
     "float16": off("fp16 weights without fp32 master weights: dzctl keeps fp32 master weights"),
     "gradient_checkpointing": _gradient_checkpointing,
     "gradient_checkpointing_kwargs": ignored(SPEED),
@@ -549,8 +565,9 @@ def _finish(b: Builder) -> None:
         b.default("train.packing", False, "axolotl packs only with sample_packing: true")
     if not given("learning_rate"):
         b.refuse("learning_rate", "axolotl's config needs learning_rate", "train.learning_rate", value_of=None)
-    if not (truthy(b.value("bf16")) or b.value("bf16") == "auto" or truthy(b.value("fp16"))):
-        b.default("train.precision", "fp32", "neither bf16 nor fp16: axolotl trains in fp32")
+    bf16 = b.value("bf16")
+    if not (truthy(bf16) or bf16 in ("auto", "full") or truthy(b.value("fp16")) or truthy(b.value("bfloat16"))):
+        b.default("train.precision", "fp32", "neither bf16, fp16 nor bfloat16: axolotl trains in fp32")
     if "template" not in b.data.get("data", {}):
         b.default("data.template", "auto", "the tokenizer's own chat template (axolotl's tokenizer_default)")
     _warmup(b)

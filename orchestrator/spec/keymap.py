@@ -262,6 +262,13 @@ def off(reason: str, default: Any = False, lifted_by: str | None = None) -> Hand
     return handle
 
 
+def map_pure_bf16(b: Builder, key: str, reason: str) -> None:
+    """A tool's switch for bf16 training without an fp32 copy: ``train.pure_bf16`` (DeepSpeed keeps the master
+    weights, gradients and AdamW's states in bf16), which trains in bf16."""
+    b.map(key, "train.pure_bf16", True, reason)
+    b.note(key, "train.precision", "bf16", "pure bf16 trains in bf16")
+
+
 def refused(reason: str, lifted_by: str | None = None) -> Handler:
     def handle(b: Builder, key: str, value: Any) -> None:
         b.refuse(key, reason, lifted_by)

@@ -19,6 +19,7 @@ from .keymap import (
     ds_config_file,
     held_out_rows,
     ignored,
+    map_pure_bf16,
     names,
     number,
     off,
@@ -155,6 +156,16 @@ def _precision(name: str) -> Handler:
             b.ignore(key, "false")
 
     return handle
+
+
+def _pure_bf16(b: Builder, key: str, value: Any) -> None:
+    if truthy(value):
+        # LLaMA-Factory itself refuses pure_bf16 under DeepSpeed ZeRO-3 (hparams/parser.py); what it means
+        # (bf16 weights and AdamW states, no fp32 copy: its trainable parameters are not upcast) is what
+        # DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states keep under ZeRO-3.
+        map_pure_bf16(b, key, "bf16 weights, gradients and AdamW states, no fp32 master copy")
+    else:
+        b.ignore(key, "false")
 
 
 def _output_dir(b: Builder, key: str, value: Any) -> None:
@@ -421,7 +432,7 @@ KEYS: dict[str, Handler] = {
     "data_seed": _data_seed,
     "bf16": _precision("bf16"),
     "fp16": _precision("fp16"),
-    "pure_bf16": off("bf16 weights without fp32 master weights: dzctl keeps fp32 master weights"),
+    "pure_bf16": _pure_bf16,
     "tf32": ignored(SPEED + ": matmul precision of fp32 layers on the GPUs"),
     "gradient_checkpointing": ignored(SPEED + ": the same gradients; dzctl's planner decides checkpointing"),
     "gradient_checkpointing_kwargs": ignored(SPEED),
@@ -491,8 +502,8 @@ def _finish(b: Builder) -> None:
             b.default(target, value, what)
     if not given("num_train_epochs") and (whole(b.value("max_steps")) or -1) <= 0:
         b.default("train.epochs", 3.0, "HF's default num_train_epochs")
-    if not (truthy(b.value("bf16")) or truthy(b.value("fp16"))):
-        b.default("train.precision", "fp32", "neither bf16 nor fp16 is true: LLaMA-Factory trains in fp32")
+    if not any(truthy(b.value(key)) for key in ("bf16", "fp16", "pure_bf16")):
+        b.default("train.precision", "fp32", "neither bf16, fp16 nor pure_bf16 is true: LLaMA-Factory trains in fp32")
     if not given("packing") and not truthy(b.value("neat_packing")):
         b.default("train.packing", False, "LLaMA-Factory packs only for stage pt")
     if not given("template"):

@@ -113,6 +113,15 @@ def data_node_terms(shipped_bytes: int | None) -> dict[str, int]:
 
 # DeepSpeed's ZeRO-3 takes a gradient's norm in fp64 chunks of this many elements (_constant_buffered_norm2).
 NORM_CHUNK = 250_000_000
+GATHERED_TERM = "gathered largest layer + its grad"
+GATHERED_FROZEN_TERM = "gathered largest layer"  # LoRA: the frozen weight, no gradient
+OFFLOADED_GRAD_BACK_TERM = "offloaded grad back"
+BACKWARD_ONLY_TERMS = (GATHERED_TERM, GATHERED_FROZEN_TERM, OFFLOADED_GRAD_BACK_TERM)
+# A preference stage's step has two high moments (benchmarks/results/plans-h100x1-20261207d/trace-dpo-full,
+# full fine-tuning on one H100: 48.00 GiB in the reference's forward, 46.99 in the backward): the reference's
+# forward, beside every saved activation of the policy's (``reference_forward_bytes_per_token``), and the
+# backward of TRL's fused head with the gathered head and its gradient. The larger is the term.
+PREFERENCE_MOMENT_TERM = "LM head + loss (TRL), or the reference's forward: the larger"
 # DeepSpeed's default ZeRO-3 sub_group_size (elements): the optimizer steps one
 # sub-group at a time, and offloaded fp32 gradients are pinned per sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
@@ -270,6 +279,28 @@ def logits_bytes_per_token(shape: ModelShape, act: int) -> int:
     return act * v + 4 * v + 4 * v + (act * v if act < 4 else 0)
 
 
+def trl_head_bytes(shape: ModelShape, act: int, tokens: int, *, head_trains: bool) -> tuple[int, int]:
+    """TRL's fused LM head (``trl/kernels/chunked_logprob.py``, TRL 1.16): what its forward saves, and what its
+    backward adds to that (see ``loss_bytes``). Every token is counted as scored: TRL scores only the answers'
+    tokens (``hidden_states[mask]``), which the plan cannot know, so this is the safe side."""
+    h, v = shape.hidden_size, shape.vocab_size
+    tile_tokens, tile_vocab = fusedloss.TRL_HEAD_TILE
+    saved = (act * h + 4 * 2) * tokens
+    tile = act * min(tokens, tile_tokens) * min(v, tile_vocab)
+    head_grad = 4 * v * h if head_trains else 0
+    return saved, (4 * h + act * h) * tokens + tile + head_grad
+
+
+def reference_forward_bytes_per_token(shape: ModelShape, act: int) -> int:
+    """A preference stage's reference forward (no autograd) at its highest, per token: one decoder layer's MLP
+    with the policy's saved activations still live. At the product of SiLU(gate) and up three intermediate-wide
+    tensors are live (SiLU(gate), up, their product) beside four hidden-wide ones (the layer's input, the
+    attention's output, their sum and its norm). Measured on one H100 (``benchmarks/results/
+    plans-h100x1-20261207d/trace-dpo-full``, 65,536 tokens): 6.49 GiB allocated by the reference's forward at
+    the step's peak, against 6.50 from this count."""
+    return act * (3 * shape.intermediate_size + 4 * shape.hidden_size)
+
+
 def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss, *, head_trains: bool = True) -> int:
     """Bytes live at the loss's most expensive moment, beyond the final norm's saved tensors.
 
@@ -297,10 +328,7 @@ def loss_bytes(shape: ModelShape, act: int, tokens: int, fused_loss: FusedLoss, 
         chunk = fusedloss.chunk_tokens(tokens, v, h)
         return (act * h + 4) * tokens + (act + 4 + act) * v * chunk
     if fused_loss == "trl":
-        tile_tokens, tile_vocab = fusedloss.TRL_HEAD_TILE
-        tile = act * min(tokens, tile_tokens) * min(v, tile_vocab)
-        head_grad = 4 * v * h if head_trains else 0
-        return (act * h + 4 * 2 + 4 * h + act * h) * tokens + tile + head_grad
+        return sum(trl_head_bytes(shape, act, tokens, head_trains=head_trains))
     return logits_bytes_per_token(shape, act) * tokens
 
 
@@ -407,6 +435,7 @@ def estimate(
     kv_repeated: bool = False,
     partial_offload: PartialOffload | None = None,
     pure_bf16: bool = False,
+    reference_forward: bool = False,
 ) -> Estimate:
     """Predicted peak ``torch.cuda.max_memory_allocated`` per GPU, and host RAM per rank.
 
@@ -417,6 +446,8 @@ def estimate(
     ``partial_offload``: where the optimizer is offloaded to the host (not with the weights), the
     sub-groups DeepSpeed keeps on the GPU (``PartialOffload``). ``pure_bf16`` (``train.pure_bf16``): the master
     copy, the step's gradient and Adam's m and v in bf16 (``OptimizerStates``); the optimizer stays on the GPU.
+    ``reference_forward``: a preference stage (``fused_loss="trl"``) whose reference policy runs a forward in
+    each step (LoRA's base with the adapters off, or the frozen copy): see ``PREFERENCE_MOMENT_TERM``.
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
@@ -476,10 +507,10 @@ def estimate(
     # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
     if lora:
         # The frozen weight is gathered again for the backward (for its input's gradient), but has none.
-        gpu["gathered largest layer"] = p * shape.largest_layer_params
+        gpu[GATHERED_FROZEN_TERM] = p * shape.largest_layer_params
         gpu["prefetch + reduce buckets"] = p * b.prefetch + g * min(b.reduce, trainable)
     else:
-        gpu["gathered largest layer + its grad"] = (p + g) * shape.largest_layer_params
+        gpu[GATHERED_TERM] = (p + g) * shape.largest_layer_params
         gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
     if choice.offload == "optimizer":
         # DeepSpeed 0.19 (stage3.py, partition_grads) brings each offloaded gradient partition back to the GPU
@@ -490,7 +521,12 @@ def estimate(
         # extra: not counted there.
         numels = [lora.r * max(pair) for pair in lora.adapted(shape).values()] if lora else shape.weight_numels()
         largest = math.ceil(max(numels) / world_size)
-        gpu["offloaded grad back + its fp64 norm"] = g * largest + 8 * min(largest, NORM_CHUNK)
+        if fused_loss == "trl":
+            # A preference stage: its trace (benchmarks/results/plans-h100x1-20261207d/trace-dpo-full) has no fp64
+            # norm chunk at the step's highest moments, in or out of the backward: it comes after the backward.
+            gpu[OFFLOADED_GRAD_BACK_TERM] = g * largest
+        else:
+            gpu["offloaded grad back + its fp64 norm"] = g * largest + 8 * min(largest, NORM_CHUNK)
 
     tokens = choice.micro_batch_size * seq_len
     act = p
@@ -510,15 +546,24 @@ def estimate(
         * tokens
     )  # fmt: skip
     logits = loss_bytes(shape, act, tokens, fused_loss, head_trains=lora is None)
+    loss_term, backward_working_set = "logits + loss", 0
+    if fused_loss == "trl":
+        loss_term = PREFERENCE_MOMENT_TERM
+        # The gathered head and its gradient (and the offloaded one brought back) live in the backward only,
+        # not beside the reference's forward: they move into the moments below.
+        backward_working_set = sum(gpu.pop(term, 0) for term in BACKWARD_ONLY_TERMS)
+        saved, backward = trl_head_bytes(shape, act, tokens, head_trains=lora is None)
+        reference = reference_forward_bytes_per_token(shape, act) * tokens if reference_forward else 0
+        logits = saved + max(backward + backward_working_set, reference)
     checkpointed = choice.layers_checkpointed(shape.num_layers)
     if checkpointed == shape.num_layers:
         kept = shape.num_layers * act * shape.hidden_size * tokens
         # During a layer's recomputation its full activations and the incoming gradient
         # exist, but by then the logits are freed: the larger of the two moments counts.
-        recompute = full_layer + 2 * act * shape.hidden_size * tokens
+        recompute = full_layer + 2 * act * shape.hidden_size * tokens + backward_working_set
         train_terms = {
             "activations (checkpoints)": kept + final_norm,
-            "logits + loss": max(logits, recompute),
+            loss_term: max(logits, recompute),
         }
     elif checkpointed:
         # Selective (train/model/checkpointing.py::checkpoint_first): the first N layers keep
@@ -526,17 +571,17 @@ def estimate(
         # backward frees the full layers first, so a checkpointed layer's recomputation comes
         # when only the remaining checkpoints are held: the loss's moment is the larger.
         kept = checkpointed * act * shape.hidden_size * tokens
-        recompute = full_layer + 2 * act * shape.hidden_size * tokens
+        recompute = full_layer + 2 * act * shape.hidden_size * tokens + backward_working_set
         full = (shape.num_layers - checkpointed) * full_layer
         train_terms = {
             "activations (checkpoints)": kept + final_norm,
             f"activations ({shape.num_layers - checkpointed} layers not checkpointed)": full,
-            "logits + loss": max(logits, recompute - full),
+            loss_term: max(logits, recompute - full),
         }
     else:
         train_terms = {
             "activations (all layers)": shape.num_layers * full_layer + final_norm,
-            "logits + loss": logits,
+            loss_term: logits,
         }
     # Optimizer step: activations are gone; the gradient of one sub-group is made in the master's
     # dtype (fp32, or bf16 with pure_bf16) and torch's AdamW needs about one more such buffer of temporaries.

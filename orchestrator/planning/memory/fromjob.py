@@ -22,6 +22,7 @@ from ..dsconfig import (
     resolve_precision,
 )
 from ..inputs import JobInputs
+from ..preference.reference import needs_reference
 from ..shape import ModelShape
 from ..speed import partialchoice
 from ..speed.calibration import Calibration, CalibrationInput, key_for
@@ -345,6 +346,9 @@ def plan_for_job(
             fetch_unit=spec.zero.fetch_unit,
             gpu_kind=speed.gpu.name if speed is not None and speed.gpu is not None else None,
             pure_bf16=pure_bf16,
+            # DPO's sigmoid and ipo, KTO: the reference's forward in each step (planned so for a precomputed
+            # reference too, which is chosen after: the safe side)
+            reference_forward=needs_reference(spec.train.stage, spec.train.pref_loss),
         )
 
     plan = planned(spec.train.method == "lora")

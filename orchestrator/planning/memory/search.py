@@ -368,6 +368,7 @@ def plan_memory(
     fetch_unit: str = "module",  # zero.fetch_unit as the spec has it (auto: resolved per candidate)
     gpu_kind: str | None = None,  # the nodes' GPU kind (steptime.GPU_KINDS' name): whose recompute costs rank
     pure_bf16: bool = False,  # train.pure_bf16: bf16 master weights, gradients and Adam states (estimate.py)
+    reference_forward: bool = False,  # a preference stage's reference runs its forward in each step (estimate.py)
 ) -> MemoryPlan:
     """Choose the fastest configuration that fits (or evaluate the one the spec fixes).
 
@@ -402,6 +403,7 @@ def plan_memory(
             kv_repeated=kv_repeated,
             partial_offload=allowed.partial_offload,
             pure_bf16=pure_bf16,
+            reference_forward=reference_forward,
         )
         ok, why = _fits(est, hardware, accelerator)
         tried.append((choice, ok, why))
@@ -459,9 +461,14 @@ def plan_memory(
             **common,
         )
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    least = _least_demanding(
-        shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated, pure_bf16
-    )
+    options = {
+        "fused_loss": fused_loss,
+        "lora": lora,
+        "kv_repeated": kv_repeated,
+        "pure_bf16": pure_bf16,
+        "reference_forward": reference_forward,
+    }
+    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, **options)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
@@ -469,9 +476,7 @@ def plan_memory(
         fetch_unit=unit_of(least),
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
-        min_nodes=smallest_fitting_nodes(
-            shape, allowed, seq_len, precision, hardware, accelerator, fused_loss, lora, kv_repeated, pure_bf16
-        ),
+        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, **options),
         **common,
     )
 
@@ -536,6 +541,7 @@ def _least_demanding(
     lora: LoraShape | None = None,
     kv_repeated: bool = False,
     pure_bf16: bool = False,
+    reference_forward: bool = False,
 ) -> Estimate:
     """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
 
@@ -563,6 +569,7 @@ def _least_demanding(
             kv_repeated=kv_repeated,
             partial_offload=allowed.partial_offload,
             pure_bf16=pure_bf16,
+            reference_forward=reference_forward,
         )
         for offload in allowed.offloads(accelerator, hardware.nvme is not None)
         for choice in allowed.least_choices(offload, shape.num_layers)
@@ -581,6 +588,7 @@ def smallest_fitting_nodes(
     lora: LoraShape | None = None,
     kv_repeated: bool = False,
     pure_bf16: bool = False,
+    reference_forward: bool = False,
 ) -> int | None:
     """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
 
@@ -603,6 +611,7 @@ def smallest_fitting_nodes(
                     kv_repeated=kv_repeated,
                     partial_offload=allowed.partial_offload,
                     pure_bf16=pure_bf16,
+                    reference_forward=reference_forward,
                 )
                 if _fits(est, bigger, accelerator)[0]:
                     return count

@@ -177,7 +177,7 @@ def other_launches_table(folder: Path) -> list[str]:
         "measured peak GiB |",
         "|---|---|---|---|---|",
     ]
-    names = ["lora-*", "before-lora-*", "dpo-*", "sftpairs-*", "full12-*", "synth-*"]
+    names = ["lora-*", "before-lora-*", "dpo-*", "sftpairs-*", "full12-*", "bf16-full12-*", "synth-*"]
     if not (folder / "offload-rates.json").is_file():  # else in the offload launches' table
         names.append("off-*")
     for path in sorted(p for pattern in names for p in folder.glob(f"{pattern}/summary.json")):
@@ -201,7 +201,8 @@ def other_launches_table(folder: Path) -> list[str]:
 
 def ceiling_table(folder: Path) -> list[str]:
     """The plain-PyTorch ceiling (``plain-pytorch-L.json``: benchmarks/plain_pytorch_ceiling.py) against dzctl's
-    launch of the same L layers on the same full random rows in the same call (``synth-fullL-*``)."""
+    launch of the same L layers on the same full random rows in the same call (``synth-fullL-*``, and
+    ``synth-bf16-fullL-*`` with ``train.pure_bf16``: bf16 master weights and AdamW states, as the ceiling's)."""
     lines = []
     for path in sorted(folder.glob("plain-pytorch-*.json")):
         ceiling = json.loads(path.read_text(encoding="utf-8"))
@@ -215,15 +216,19 @@ def ceiling_table(folder: Path) -> list[str]:
                 for x in ceiling["points"]
             )
         )
-        for launch in sorted(folder.glob(f"synth-full{ceiling['layers']}-*/summary.json")):
+        launches = [*folder.glob(f"synth-full{ceiling['layers']}-*/summary.json")]
+        launches += folder.glob(f"synth-bf16-full{ceiling['layers']}-*/summary.json")
+        for launch in sorted(launches):
             result = json.loads(launch.read_text(encoding="utf-8"))["results"][0]
             if "useful_tokens_per_s_per_gpu" not in result:
                 continue
             plan = result["plan"]
             tokens = result["useful_tokens_per_s_per_gpu"]
+            states = "bf16" if plan["ds_config"]["bf16"].get("bf16_optimizer_states") else "fp32"
             lines.append(
                 f"  {launch.parent.name} (dzctl launch, auto: micro {plan['micro_batch_size']}, "
-                f"{plan['checkpointed_layers']}/{plan['decoder_layers']} recomputed, fp32 master and AdamW states): "
+                f"{plan['checkpointed_layers']}/{plan['decoder_layers']} recomputed, {states} master and AdamW "
+                "states): "
                 f"{tokens:,.0f} tokens/s = {tokens / best['tokens_per_s']:.1%} of the ceiling's best (micro "
                 f"{best['micro']}, {best['tokens_per_s']:,.0f})"
             )

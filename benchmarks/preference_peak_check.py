@@ -30,9 +30,14 @@ LAUNCHES = (  # (card, folder)
     ("H200", "plans-h200x1-20261207/dpo-full-1"),
     ("H200", "plans-h200x1-20261207b/dpo-lora-2"),
     ("H100", "plans-h100x1-20261207b/dpo-full-2"),
+    ("H100", "plans-h100x1-20261207d/trace-dpo-full"),
 )
 # What was live at a launch's peak, by the code that allocated it (benchmarks/cuda_memory_peak.py).
-TRACES = ("plans-h100x1-20261207b/trace-dpo-full/peak-live-rank0-693.json",)
+TRACES = (
+    "plans-h100x1-20261207b/trace-dpo-full/peak-live-rank0-693.json",
+    # the same launch again, each backward marked: the highest moments inside the backward and outside it
+    "plans-h100x1-20261207d/trace-dpo-full/peak-live-rank0-712.json",
+)
 PROBES = ("plans-h200x1-20261207b/preference-activations.json",)
 MICRO = re.compile(r"dzctl-train: 1 ranks, micro-batch (\d+), accumulation \d+")
 CHECKPOINTED = re.compile(r"activation checkpointing in (\d+) of (\d+) decoder layers")
@@ -90,21 +95,24 @@ def probe_lines() -> list[str]:
 def main() -> int:
     print("\n".join(probe_lines()))
     print("\n## the planned peak against the measured one (no launch fitted)")
-    print("| card | launch | plan | planned GiB | measured GiB | planned / measured |")
-    print("|---|---|---|---|---|---|")
+    # TRL pads each micro-batch's pairs to its longest sequence, and the plan counts max_seq_len: the peak of a
+    # step rises while its micro-batches are shorter than that. The steps' own peaks show when it stopped rising.
+    print("| card | launch | plan | planned GiB | measured GiB | planned / measured | peak after each step, GiB |")
+    print("|---|---|---|---|---|---|---|")
     for card, name in LAUNCHES:
         result, sets = launch_plan(RESULTS / name)
         plan = planned(result["layers"], sets)
         peak = plan.estimate.gpu_peak / GIB
         measured = max(result["peak_allocated_gib"])
         words = f"{result['layers']} layers, micro {result['micro']} pairs, {result['checkpointed']} recomputed"
-        print(f"| {card} | {name} | {words} | {peak:.2f} | {measured:.2f} | {peak / measured - 1:+.1%} |")
+        steps = ", ".join(f"{s['gpu_mem_peak_gib']:.2f}" for s in result["steps"] if "gpu_mem_peak_gib" in s)
+        print(f"| {card} | {name} | {words} | {peak:.2f} | {measured:.2f} | {peak / measured - 1:+.1%} | {steps} |")
     for name in TRACES:
         import cuda_memory_peak
 
         summary = json.loads((RESULTS / name).read_text(encoding="utf-8"))
         print(f"\n## what was live at the peak: {name}")
-        print("\n".join(cuda_memory_peak.lines(summary)[:12]))
+        print("\n".join(line for line in cuda_memory_peak.lines(summary) if not line.startswith("| 0.000 |")))
     return 0
 
 

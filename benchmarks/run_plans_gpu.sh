@@ -32,9 +32,13 @@
 #                       weights and AdamW states, no DeepSpeed: micro 2,4,8 with none recomputed, full random rows
 #   synth-fullL-R       full FT, L layers (18 or 12), auto plan, on synthetic:random rows (full rows at 4,096, as
 #                       the ceiling's): the launch the ceiling is compared with, in the same call
+#   synth-bf16-fullL-R  the same with train.pure_bf16 (bf16 master weights, gradients and AdamW states, as the
+#                       ceiling keeps them): the like-for-like launch for the ceiling
+#   bf16-full12-R       full12-R with train.pure_bf16
 #   trace-dpo-full      dpo-full's launch for 3 steps, its rank's CUDA allocations recorded from its start
 #                       (benchmarks/memory_trace/sitecustomize.py): what was live at its peak, by the code that
-#                       allocated it (benchmarks/cuda_memory_peak.py), against the planner's terms
+#                       allocated it (benchmarks/cuda_memory_peak.py), against the planner's terms; and the same
+#                       for the highest moment inside a backward and outside one
 #   sftpairs-full-R     SFT on the same rows (each conversation with its chosen answer), full FT, 18 layers
 #   sftpairs-lora-R     the same, LoRA on 36 layers: the step time DPO's is compared with
 # TASKS names what runs, in order. A task is skipped when less than its own limit is left of CALL_S. Results are
@@ -154,6 +158,9 @@ for task in $TASKS; do
             echo "$task: exit $?, $(($(date +%s) - t0)) s"; save ;;
         synth-full*) layers=${task#synth-full}; layers=${layers%%-*}
             launch "$task" 200 auto --layers "$layers" $G32 --set data.path=synthetic:random ;;
+        synth-bf16-full*) layers=${task#synth-bf16-full}; layers=${layers%%-*}
+            launch "$task" 200 auto --layers "$layers" $G32 --set data.path=synthetic:random --set train.pure_bf16=true ;;
+        bf16-full12-*) launch "$task" 150 auto --layers 12 $G32 --set train.pure_bf16=true ;;
         trace-dpo-full) (export PYTHONPATH="$HERE/benchmarks/memory_trace:$PYTHONPATH" \
                 DZCTL_BENCH_MEMORY_TRACE="$RES/$task"
             launch "$task" 300 auto --layers 18 --set train.global_batch_size=32 --steps 3 --warmup 1 $DPO) ;;

@@ -20,12 +20,13 @@ from click.testing import CliRunner
 from orchestrator.cli import main
 from orchestrator.planning.memory.estimate import GIB, PARTIAL_OFFLOAD_TERM, PartialOffload
 from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
+from orchestrator.planning.speed.partialchoice import MIN_GAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def _plan(tmp_path: Path, *sets: str) -> tuple[int, dict | str]:
+def _plan(tmp_path: Path, *sets: str, host_adam_rate: str = "5") -> tuple[int, dict | str]:
     from zero3_h200 import MODELS
 
     spec = {
@@ -43,7 +44,7 @@ def _plan(tmp_path: Path, *sets: str) -> tuple[int, dict | str]:
     job.write_text(yaml.safe_dump(spec), encoding="utf-8")
     hosts.write_text("localhost slots=1\n", encoding="utf-8")
     args = ["plan", str(job), "--hosts", str(hosts), "--gpu-mem-gib", "80", "--host-mem-gib", "125"]
-    args += ["--gpu-kind", "H100", "--host-adam-rate", "5", "--json", "--set", "zero.offload=optimizer"]
+    args += ["--gpu-kind", "H100", "--host-adam-rate", host_adam_rate, "--json", "--set", "zero.offload=optimizer"]
     for item in sets:
         args += ["--set", item]
     result = CliRunner().invoke(main, args)
@@ -116,21 +117,32 @@ def test_the_ratios_tried_keep_as_many_sub_groups_as_deepspeed_would():
 
 def test_a_forced_whole_offload_names_the_faster_partial_offload_and_its_prediction_holds(tmp_path):
     """The plan's note gives the ``--set`` of the fastest partial offload that fits; planned with it, the job
-    fits and predicts what the note said."""
+    fits and predicts what the note said. A host AdamW of 2.5 G params/s (what one H100 node's preflight once read):
+    the host's step is long, and a partial offload predicted more than MIN_GAIN faster."""
     import re
 
-    code, whole = _plan(tmp_path)
+    code, whole = _plan(tmp_path, host_adam_rate="2.5")
     assert code == 0, whole
     note = next(n for n in whole["step_time"]["notes"] if n.startswith("a partial optimizer offload fits"))
     override = re.search(r"--set '(zero\.overrides=[^']+)'", note)[1]
     predicted = float(re.search(r": ([\d,]+) tokens/s/GPU against", note)[1].replace(",", ""))
-    code, partial = _plan(tmp_path, override)
+    code, partial = _plan(tmp_path, override, host_adam_rate="2.5")
     assert code == 0, partial
     assert partial["fits"] is True
     assert partial["step_time"]["tokens_per_s_per_gpu"] == pytest.approx(predicted, abs=1)
-    assert predicted > whole["step_time"]["tokens_per_s_per_gpu"] * 1.03
+    assert predicted > whole["step_time"]["tokens_per_s_per_gpu"] * (1 + MIN_GAIN)
     # Asked for, it is planned, not suggested again.
     assert not any(n.startswith("a partial optimizer offload fits") for n in partial["step_time"]["notes"])
+
+
+def test_no_partial_offload_is_suggested_within_the_models_measured_error(tmp_path):
+    """At 5 G params/s the best ratio is predicted +11.7 %: within the +14.1 % the step model erred by on a
+    measured partial offload (ratio 0.4 on one H100, measured 2.4 % slower than the whole offload). Failed
+    before: the note named it from +3 %."""
+    code, whole = _plan(tmp_path)
+    assert code == 0, whole
+    assert whole["zero"]["offload_optimizer"] is True
+    assert not any(n.startswith("a partial optimizer offload fits") for n in whole["step_time"]["notes"])
 
 
 def test_no_partial_offload_is_suggested_over_the_users_own_ratio(tmp_path):

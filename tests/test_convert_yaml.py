@@ -46,6 +46,15 @@ def _conversion(path: Path) -> foreign.Conversion:
     return foreign.convert(data, lines, path)
 
 
+def _llamafactory_lora(path: Path, *replacements: tuple[str, str]) -> Path:
+    """LLaMA-Factory's LoRA example at ``path`` with each (old, new) replaced, its datasets read from the fixtures."""
+    text = LF_LORA.read_text()
+    for old, new in (*replacements, ("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")):
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
 def _line_of(path: Path, key: str) -> int:
     return next(n for n, line in enumerate(path.read_text().splitlines(), start=1) if line.startswith(f"{key}:"))
 
@@ -242,12 +251,8 @@ def test_convert_refuses_a_dzctl_job_naming_the_file():
 
 
 def test_llamafactory_dpo_and_axolotl_rl_keys_become_train_stage_and_pref_keys(tmp_path):
-    lf = tmp_path / "dpo.yaml"
-    lf.write_text(
-        LF_LORA.read_text()
-        .replace("stage: sft", "stage: dpo\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0.5")
-        .replace("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")
-    )
+    dpo = "stage: dpo\npref_beta: 0.2\npref_loss: ipo\npref_ftx: 0.5"
+    lf = _llamafactory_lora(tmp_path / "dpo.yaml", ("stage: sft", dpo))
     train = load_job(lf, CPU_SETS).spec.train
     assert (train.stage, train.pref_loss, train.pref_beta, train.pref_ftx) == ("dpo", "ipo", 0.2, 0.5)
     ax = tmp_path / "rl.yaml"
@@ -261,12 +266,7 @@ def test_llamafactory_dpo_and_axolotl_rl_keys_become_train_stage_and_pref_keys(t
 
 def test_a_template_whose_prompt_is_not_the_models_own_is_refused_until_data_template_is_set(tmp_path):
     # LLaMA-Factory's qwen template adds Qwen2.5's default system prompt; Qwen3's own template does not.
-    job = tmp_path / "lf.yaml"
-    job.write_text(
-        LF_LORA.read_text()
-        .replace("template: qwen3_nothink", "template: qwen")
-        .replace("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")
-    )
+    job = _llamafactory_lora(tmp_path / "lf.yaml", ("template: qwen3_nothink", "template: qwen"))
     with pytest.raises(SpecError) as refused:
         load_job(job, CPU_SETS)
     assert f"{job}:{_line_of(job, 'template')}: template: qwen adds Qwen2.5's system prompt" in refused.value.message
@@ -290,12 +290,7 @@ CPU_SETS_OWN_PRECISION = tuple(item for item in CPU_SETS if not item.startswith(
 
 
 def test_llamafactory_pure_bf16_becomes_train_pure_bf16_in_bf16(tmp_path):
-    job = tmp_path / "lf.yaml"
-    job.write_text(
-        LF_LORA.read_text()
-        .replace("bf16: true", "pure_bf16: true")
-        .replace("dataset_dir: data", f"dataset_dir: {FIXTURES / 'data'}")
-    )
+    job = _llamafactory_lora(tmp_path / "lf.yaml", ("bf16: true", "pure_bf16: true"))
     train = load_job(job, CPU_SETS_OWN_PRECISION).spec.train
     assert (train.pure_bf16, train.precision) == (True, "bf16")
     rows = [r for r in _conversion(job).rows if r.key == "pure_bf16"]

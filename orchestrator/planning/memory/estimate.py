@@ -545,7 +545,6 @@ def estimate(
         )
         * tokens
     )  # fmt: skip
-    logits = loss_bytes(shape, act, tokens, fused_loss, head_trains=lora is None)
     loss_term, backward_working_set = "logits + loss", 0
     if fused_loss == "trl":
         loss_term = PREFERENCE_MOMENT_TERM
@@ -555,6 +554,8 @@ def estimate(
         saved, backward = trl_head_bytes(shape, act, tokens, head_trains=lora is None)
         reference = reference_forward_bytes_per_token(shape, act) * tokens if reference_forward else 0
         logits = saved + max(backward + backward_working_set, reference)
+    else:
+        logits = loss_bytes(shape, act, tokens, fused_loss, head_trains=lora is None)
     checkpointed = choice.layers_checkpointed(shape.num_layers)
     if checkpointed == shape.num_layers:
         kept = shape.num_layers * act * shape.hidden_size * tokens

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,40 @@ def test_the_python_probe_measures_the_hosts_adamw_rate():
     assert "host_adam_error" not in out, out
     assert out["host_adam_params_per_s"] > 1e7  # this 2-core machine: about 4e8
     assert "h2d_bytes_per_s" not in out  # no GPU here
+
+
+def test_the_probe_reads_the_hosts_rate_through_a_slowed_step():
+    """Another process's burst during the probe (on one H100 node a launch still exiting, as far as known) slowed
+    one step: the probe read half the node's rate, and the next plan's offloaded step came out 28 % long. Here one
+    timed step is held up 0.5 s by PyTorch's own step hook, with this machine's torch. Failed before: the three
+    steps were timed together and the rate came out about a tenth of the undisturbed one."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def probed() -> float:
+        out: dict = {}
+        exec(HOST_ADAM_PROBE, {"os": os, "out": out})  # the probe's own text, as preflight runs it
+        assert "host_adam_error" not in out, out
+        return out["host_adam_params_per_s"]
+
+    os.environ["DZ_HOST_ADAM"] = "1"
+    try:
+        undisturbed = probed()
+        steps = []
+
+        def held_up_once(optimizer, args, kwargs):
+            steps.append(1)
+            if len(steps) == 3:  # the second timed step (the first is the probe's untimed warm-up)
+                time.sleep(0.5)
+
+        handle = register_optimizer_step_pre_hook(held_up_once)
+        try:
+            disturbed = probed()
+        finally:
+            handle.remove()
+    finally:
+        del os.environ["DZ_HOST_ADAM"]
+    assert disturbed > undisturbed / 2
+    assert len(steps) == 6  # the warm-up and five timed steps, one of them held up
 
 
 def test_a_gpu_kind_never_measured_gets_the_datasheet_model_and_the_plan_says_so(tmp_path):

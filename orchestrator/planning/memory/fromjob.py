@@ -18,8 +18,8 @@ from ..dsconfig import (
     merge,
     offload_of,
     pure_bf16_of,
-    resolve_defaults,
     resolve_precision,
+    with_pure_bf16,
 )
 from ..inputs import JobInputs
 from ..preference.reference import needs_reference
@@ -226,14 +226,14 @@ def _user_config_where(inputs: JobInputs) -> str:
     return f"zero.config {spec.zero.config}" if spec.zero.config else inputs.job.where("zero.overrides")
 
 
-def pure_bf16_for(inputs: JobInputs, precision: Precision, *, bf16_supported: bool = True) -> bool:
+def pure_bf16_for(inputs: JobInputs, precision: Precision) -> bool:
     """Whether DeepSpeed will keep bf16 master weights, gradients and optimizer states: read from the config the job
     will run with (``train.pure_bf16`` written by dsconfig, or a ``zero.config`` that says so itself).
 
     Refused, naming the keys: ``train.pure_bf16`` that the config undoes or runs without bf16.
     """
     spec = inputs.spec
-    config = ds_config_for(spec, inputs.user_ds_config, resolve_defaults(spec, bf16_supported=bf16_supported), 1)
+    config = _bf16_section_to_run(inputs, precision)
     pure = pure_bf16_of(config)
     if spec.train.pure_bf16 and not pure:
         bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
@@ -245,6 +245,21 @@ def pure_bf16_for(inputs: JobInputs, precision: Precision, *, bf16_supported: bo
             fix=f'set bf16.{undone[0]} to true or "auto" there, or remove train.pure_bf16',
         )
     return pure
+
+
+def _bf16_section_to_run(inputs: JobInputs, precision: Precision) -> dict[str, Any]:
+    """The ``bf16`` section of the config the job will run, as ``ds_config_for`` makes it (the user's
+    ``zero.config`` or the generated one, ``enabled`` resolved, ``train.pure_bf16``'s keys where it leaves them
+    open, ``zero.overrides`` last), without building the rest: a launch builds the whole config once."""
+    spec = inputs.spec
+    if inputs.user_ds_config is None:  # build_ds_config's section
+        config: dict[str, Any] = {"bf16": {"enabled": precision == "bf16"}}
+    else:  # fill_auto's: only an "auto" is resolved
+        config = {key: value for key, value in inputs.user_ds_config.items() if key == "bf16"}
+        section = config.get("bf16")
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            config["bf16"] = {**section, "enabled": precision == "bf16"}
+    return merge(with_pure_bf16(config, spec), spec.zero.overrides)
 
 
 def _optimizer_stays_on_the_gpus(inputs: JobInputs, allowed: Allowed) -> Allowed:
@@ -318,7 +333,7 @@ def plan_for_job(
     lora = LoraShape.from_spec(spec.train.lora)
     allowed = allowed_from(inputs)
     precision = precision_for(inputs, bf16_supported=bf16_supported)
-    pure_bf16 = pure_bf16_for(inputs, precision, bf16_supported=bf16_supported)
+    pure_bf16 = pure_bf16_for(inputs, precision)
     if pure_bf16:
         allowed = _optimizer_stays_on_the_gpus(inputs, allowed)
     batch = globalbatch.global_batch(spec)

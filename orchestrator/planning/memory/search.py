@@ -7,6 +7,7 @@ nowhere gets the smallest node count that would, and (for full fine-tuning) the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -391,13 +392,14 @@ def plan_memory(
         """The fetch unit this candidate would train with (``fetch_unit``: zero.fetch_unit as the spec has it)."""
         return resolve_fetch_unit(fetch_unit, method, est.choice.offload_param)
 
-    def judged(choice: Choice) -> tuple[bool, Estimate]:
-        est = estimate(
+    def estimated(choice: Choice, world_size: int = hardware.world_size) -> Estimate:
+        """This job's estimate of one candidate on ``world_size`` GPUs."""
+        return estimate(
             shape,
             choice,
             seq_len=seq_len,
             precision=precision,
-            world_size=hardware.world_size,
+            world_size=world_size,
             fused_loss=fused_loss,
             lora=lora,
             kv_repeated=kv_repeated,
@@ -405,6 +407,9 @@ def plan_memory(
             pure_bf16=pure_bf16,
             reference_forward=reference_forward,
         )
+
+    def judged(choice: Choice) -> tuple[bool, Estimate]:
+        est = estimated(choice)
         ok, why = _fits(est, hardware, accelerator)
         tried.append((choice, ok, why))
         return ok, est
@@ -461,14 +466,7 @@ def plan_memory(
             **common,
         )
     # Nothing fits: report the least demanding candidate, and how many such nodes would do.
-    options = {
-        "fused_loss": fused_loss,
-        "lora": lora,
-        "kv_repeated": kv_repeated,
-        "pure_bf16": pure_bf16,
-        "reference_forward": reference_forward,
-    }
-    least = _least_demanding(shape, allowed, seq_len, precision, hardware, accelerator, **options)
+    least = _least_demanding(estimated, shape, allowed, hardware, accelerator)
     reason = _fits(least, hardware, accelerator)[1]
     return MemoryPlan(
         fits=False,
@@ -476,7 +474,7 @@ def plan_memory(
         fetch_unit=unit_of(least),
         host_per_node=_host_per_node(least, hardware, accelerator),
         reason=reason,
-        min_nodes=smallest_fitting_nodes(shape, allowed, seq_len, precision, hardware, accelerator, **options),
+        min_nodes=smallest_fitting_nodes(estimated, shape, allowed, hardware, accelerator),
         **common,
     )
 
@@ -531,19 +529,10 @@ def _fits(est: Estimate, hardware: Hardware, accelerator: str) -> tuple[bool, st
 
 
 def _least_demanding(
-    shape: ModelShape,
-    allowed: Allowed,
-    seq_len: int,
-    precision: Precision,
-    hardware: Hardware,
-    accelerator: str,
-    fused_loss: FusedLoss = "none",
-    lora: LoraShape | None = None,
-    kv_repeated: bool = False,
-    pure_bf16: bool = False,
-    reference_forward: bool = False,
+    estimated: Callable[[Choice], Estimate], shape: ModelShape, allowed: Allowed, hardware: Hardware, accelerator: str
 ) -> Estimate:
-    """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory."""
+    """The allowed candidate closest to fitting: smallest overshoot of GPU or host memory (``estimated``: the
+    job's estimate of a candidate on these nodes)."""
 
     def overshoot(est: Estimate) -> float:
         over = 0.0
@@ -558,19 +547,7 @@ def _least_demanding(
         return over
 
     options = [
-        estimate(
-            shape,
-            choice,
-            seq_len=seq_len,
-            precision=precision,
-            world_size=hardware.world_size,
-            fused_loss=fused_loss,
-            lora=lora,
-            kv_repeated=kv_repeated,
-            partial_offload=allowed.partial_offload,
-            pure_bf16=pure_bf16,
-            reference_forward=reference_forward,
-        )
+        estimated(choice)
         for offload in allowed.offloads(accelerator, hardware.nvme is not None)
         for choice in allowed.least_choices(offload, shape.num_layers)
     ]
@@ -578,19 +555,14 @@ def _least_demanding(
 
 
 def smallest_fitting_nodes(
+    estimated: Callable[[Choice, int], Estimate],
     shape: ModelShape,
     allowed: Allowed,
-    seq_len: int,
-    precision: Precision,
     hardware: Hardware,
     accelerator: str,
-    fused_loss: FusedLoss = "none",
-    lora: LoraShape | None = None,
-    kv_repeated: bool = False,
-    pure_bf16: bool = False,
-    reference_forward: bool = False,
 ) -> int | None:
-    """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits.
+    """The fewest nodes like these (same GPUs per node as the smallest node) on which a candidate fits
+    (``estimated(choice, world_size)``: the job's estimate of a candidate on that many GPUs).
 
     ``None`` when no number of nodes helps: what does not shrink with more GPUs
     (activations, logits, the gathered layer) is already too large.
@@ -600,20 +572,7 @@ def smallest_fitting_nodes(
         bigger = replace(hardware, slots_per_node=(per_node,) * count)
         for offload in allowed.offloads(accelerator, hardware.nvme is not None):
             for choice in allowed.least_choices(offload, shape.num_layers):
-                est = estimate(
-                    shape,
-                    choice,
-                    seq_len=seq_len,
-                    precision=precision,
-                    world_size=bigger.world_size,
-                    fused_loss=fused_loss,
-                    lora=lora,
-                    kv_repeated=kv_repeated,
-                    partial_offload=allowed.partial_offload,
-                    pure_bf16=pure_bf16,
-                    reference_forward=reference_forward,
-                )
-                if _fits(est, bigger, accelerator)[0]:
+                if _fits(estimated(choice, bigger.world_size), bigger, accelerator)[0]:
                     return count
     return None
 

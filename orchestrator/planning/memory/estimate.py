@@ -115,8 +115,6 @@ def data_node_terms(shipped_bytes: int | None) -> dict[str, int]:
 NORM_CHUNK = 250_000_000
 GATHERED_TERM = "gathered largest layer + its grad"
 GATHERED_FROZEN_TERM = "gathered largest layer"  # LoRA: the frozen weight, no gradient
-OFFLOADED_GRAD_BACK_TERM = "offloaded grad back"
-BACKWARD_ONLY_TERMS = (GATHERED_TERM, GATHERED_FROZEN_TERM, OFFLOADED_GRAD_BACK_TERM)
 # A preference stage's step has two high moments (benchmarks/results/plans-h100x1-20261207d/trace-dpo-full,
 # full fine-tuning on one H100: 48.00 GiB in the reference's forward, 46.99 in the backward): the reference's
 # forward, beside every saved activation of the policy's (``reference_forward_bytes_per_token``), and the
@@ -504,13 +502,17 @@ def estimate(
         gpu["hpZ secondary weights"] = hpz_secondary_bytes(
             shape.weight_numels(), persistence_threshold=b.persistence, gpus_per_node=hpz_partition_size, p=p
         )
-    # ZeRO-3 working set: one whole weight, its whole gradient, the buckets.
+    # ZeRO-3 working set: one whole weight, its whole gradient, the buckets. A preference stage keeps the gathered
+    # weight and the offloaded gradient brought back apart: they live in its backward only, not beside the
+    # reference's forward (PREFERENCE_MOMENT_TERM, below).
+    backward_only: dict[str, int] = {}
+    working = backward_only if fused_loss == "trl" else gpu
     if lora:
         # The frozen weight is gathered again for the backward (for its input's gradient), but has none.
-        gpu[GATHERED_FROZEN_TERM] = p * shape.largest_layer_params
+        working[GATHERED_FROZEN_TERM] = p * shape.largest_layer_params
         gpu["prefetch + reduce buckets"] = p * b.prefetch + g * min(b.reduce, trainable)
     else:
-        gpu[GATHERED_TERM] = (p + g) * shape.largest_layer_params
+        working[GATHERED_TERM] = (p + g) * shape.largest_layer_params
         gpu["prefetch + reduce buckets"] = p * b.prefetch + g * b.reduce
     if choice.offload == "optimizer":
         # DeepSpeed 0.19 (stage3.py, partition_grads) brings each offloaded gradient partition back to the GPU
@@ -524,7 +526,7 @@ def estimate(
         if fused_loss == "trl":
             # A preference stage: its trace (benchmarks/results/plans-h100x1-20261207d/trace-dpo-full) has no fp64
             # norm chunk at the step's highest moments, in or out of the backward: it comes after the backward.
-            gpu[OFFLOADED_GRAD_BACK_TERM] = g * largest
+            backward_only["offloaded grad back"] = g * largest
         else:
             gpu["offloaded grad back + its fp64 norm"] = g * largest + 8 * min(largest, NORM_CHUNK)
 
@@ -545,12 +547,9 @@ def estimate(
         )
         * tokens
     )  # fmt: skip
-    loss_term, backward_working_set = "logits + loss", 0
+    loss_term, backward_working_set = "logits + loss", sum(backward_only.values())
     if fused_loss == "trl":
         loss_term = PREFERENCE_MOMENT_TERM
-        # The gathered head and its gradient (and the offloaded one brought back) live in the backward only,
-        # not beside the reference's forward: they move into the moments below.
-        backward_working_set = sum(gpu.pop(term, 0) for term in BACKWARD_ONLY_TERMS)
         saved, backward = trl_head_bytes(shape, act, tokens, head_trains=lora is None)
         reference = reference_forward_bytes_per_token(shape, act) * tokens if reference_forward else 0
         logits = saved + max(backward + backward_working_set, reference)

@@ -70,6 +70,27 @@ def _model_states(est) -> int:
     return sum(v for k, v in est.gpu_terms.items() if k in ("params", "grads") or "master + Adam" in k)
 
 
+@pytest.mark.parametrize(
+    "user",
+    [
+        None,
+        {"bf16": {"enabled": "auto"}},
+        {"bf16": {"enabled": True, "bf16_optimizer_states": "auto"}},
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False}},
+        {"bf16": {"bf16_optimizer_states": True}},
+        {"zero_optimization": {"stage": 3}},
+    ],
+)
+@pytest.mark.parametrize("sets", [PURE, ("train.precision=bf16",)])
+def test_the_section_the_planner_reads_is_the_one_the_launch_writes(user, sets):
+    """``bf16_section_to_run`` (what the plan reads before planning) and ``ds_config_for`` (the launch's whole
+    config) make the same bf16 section, ``zero.overrides`` included, for a generated config and a user's."""
+    spec = load_job(TINY, [*sets, "zero.overrides={bf16: {bf16_master_weights_and_grads: auto}}"]).spec
+    resolved = dsconfig.resolve_defaults(spec)
+    whole = dsconfig.ds_config_for(spec, user, resolved, 2)
+    assert dsconfig.bf16_section_to_run(spec, user, resolved.precision).get("bf16") == whole.get("bf16")
+
+
 def test_model_states_drop_from_16_to_10_bytes_a_parameter():
     shape = shape_from_config(QWEN3_8B_12, name="qwen3-8b-12", source="test")
     n = shape.total_params

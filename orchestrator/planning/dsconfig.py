@@ -24,7 +24,8 @@ API (stable; callers rely on it):
   with the resolved ones, for a config that must be concrete before launch.
 - ``with_pure_bf16(ds, spec) -> dict``: ``train.pure_bf16`` as DeepSpeed's two bf16 keys
   (``PURE_BF16_KEYS``), where the config leaves them open; ``pure_bf16_of(ds) -> bool``: whether
-  a config keeps bf16 master weights, gradients and optimizer states.
+  a config keeps bf16 master weights, gradients and optimizer states; ``bf16_section_to_run(spec, user,
+  precision) -> dict``: that section of ``ds_config_for``'s config alone.
 - ``auto_filled(user, final, overrides) -> list[(key, value)]``: which of ``zero.config``'s
   ``"auto"`` values the job's config filled, and with what (``launch --dry-run`` shows them);
   ``auto_left(final) -> list[key]``: those still ``"auto"`` (the HF Trainer fills them).
@@ -219,6 +220,20 @@ def with_pure_bf16(config: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
         if out["bf16"].get(key, "auto") == "auto" and (spec.train.pure_bf16 or key in out["bf16"]):
             out["bf16"][key] = spec.train.pure_bf16
     return out
+
+
+def bf16_section_to_run(spec: JobSpec, user: dict[str, Any] | None, precision: Precision) -> dict[str, Any]:
+    """The ``bf16`` section of the config ``ds_config_for`` makes (the user's ``zero.config`` or the generated one,
+    ``enabled`` resolved, ``train.pure_bf16``'s keys where it leaves them open, ``zero.overrides`` last), without
+    building the rest: the planner reads it before it plans, and a launch builds the whole config once."""
+    if user is None:  # build_ds_config's section
+        config: dict[str, Any] = {"bf16": {"enabled": precision == "bf16"}}
+    else:  # fill_auto's: only an "auto" is resolved
+        config = {key: value for key, value in user.items() if key == "bf16"}
+        section = config.get("bf16")
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            config["bf16"] = {**section, "enabled": precision == "bf16"}
+    return merge(with_pure_bf16(config, spec), spec.zero.overrides)
 
 
 def pure_bf16_of(ds: dict[str, Any]) -> bool:

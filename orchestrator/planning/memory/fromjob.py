@@ -14,12 +14,12 @@ from typing import Any
 from ...errors import InputError
 from ..dsconfig import (
     PURE_BF16_KEYS,
+    bf16_section_to_run,
     ds_config_for,
     merge,
     offload_of,
     pure_bf16_of,
     resolve_precision,
-    with_pure_bf16,
 )
 from ..inputs import JobInputs
 from ..preference.reference import needs_reference
@@ -233,7 +233,7 @@ def pure_bf16_for(inputs: JobInputs, precision: Precision) -> bool:
     Refused, naming the keys: ``train.pure_bf16`` that the config undoes or runs without bf16.
     """
     spec = inputs.spec
-    config = _bf16_section_to_run(inputs, precision)
+    config = bf16_section_to_run(spec, inputs.user_ds_config, precision)
     pure = pure_bf16_of(config)
     if spec.train.pure_bf16 and not pure:
         bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
@@ -245,21 +245,6 @@ def pure_bf16_for(inputs: JobInputs, precision: Precision) -> bool:
             fix=f'set bf16.{undone[0]} to true or "auto" there, or remove train.pure_bf16',
         )
     return pure
-
-
-def _bf16_section_to_run(inputs: JobInputs, precision: Precision) -> dict[str, Any]:
-    """The ``bf16`` section of the config the job will run, as ``ds_config_for`` makes it (the user's
-    ``zero.config`` or the generated one, ``enabled`` resolved, ``train.pure_bf16``'s keys where it leaves them
-    open, ``zero.overrides`` last), without building the rest: a launch builds the whole config once."""
-    spec = inputs.spec
-    if inputs.user_ds_config is None:  # build_ds_config's section
-        config: dict[str, Any] = {"bf16": {"enabled": precision == "bf16"}}
-    else:  # fill_auto's: only an "auto" is resolved
-        config = {key: value for key, value in inputs.user_ds_config.items() if key == "bf16"}
-        section = config.get("bf16")
-        if isinstance(section, dict) and section.get("enabled") == "auto":
-            config["bf16"] = {**section, "enabled": precision == "bf16"}
-    return merge(with_pure_bf16(config, spec), spec.zero.overrides)
 
 
 def _optimizer_stays_on_the_gpus(inputs: JobInputs, allowed: Allowed) -> Allowed:

@@ -24,7 +24,7 @@ from ..dsconfig import (
 from ..inputs import JobInputs
 from ..preference.reference import needs_reference
 from ..shape import ModelShape
-from ..speed import partialchoice
+from ..speed import partialchoice, purechoice
 from ..speed.calibration import Calibration, CalibrationInput, key_for
 from ..speed.communication import Links
 from ..speed.offload import HostOptimizer
@@ -116,6 +116,30 @@ def _partial_offload_may_help(plan: MemoryPlan, allowed: Allowed, spec: Any, spe
         and spec.train.stage == "sft"
         and speed.host is not None
     )
+
+
+def _pure_bf16_may_help(
+    plan: MemoryPlan, asked: Allowed, inputs: JobInputs, precision: Precision, pure_bf16: bool, speed: SpeedInputs
+) -> bool:
+    """The whole optimizer on the host by the planner's choice (``asked``: before a global batch narrows it; offload
+    ``None`` is auto), full fine-tuning in bf16 without pure bf16, chosen by the model, SFT, no ``zero.config`` file
+    (its bf16 section would decide), and a host step timed: ``train.pure_bf16`` is worth planning
+    (speed/purechoice.py). Not where ``zero.overrides`` would undo it (the job would be refused)."""
+    spec = inputs.spec
+    if not (
+        plan.choice.offload == "optimizer"
+        and asked.offload is None
+        and spec.train.method == "full"
+        and precision == "bf16"
+        and not pure_bf16
+        and plan.choice_source == "model"
+        and spec.train.stage == "sft"
+        and inputs.user_ds_config is None
+        and speed.host is not None
+    ):
+        return False
+    pure_spec = spec.model_copy(update={"train": spec.train.model_copy(update={"pure_bf16": True})})
+    return pure_bf16_of(bf16_section_to_run(pure_spec, None, precision))
 
 
 def _partial_offload(inputs: JobInputs, zero: Any) -> PartialOffload | None:
@@ -328,7 +352,9 @@ def plan_for_job(
         _no_batch_in_user_config(inputs, batch)
         allowed = globalbatch.constrain(allowed, batch, hardware.world_size, accumulation)
 
-    def planned(as_lora: bool, allowed: Allowed = allowed, hardware: Hardware = hardware) -> MemoryPlan:
+    def planned(
+        as_lora: bool, allowed: Allowed = allowed, hardware: Hardware = hardware, pure_bf16: bool = pure_bf16
+    ) -> MemoryPlan:
         return plan_memory(
             inputs.shape,
             allowed=allowed,
@@ -411,6 +437,14 @@ def plan_for_job(
                 return timed(globalbatch.with_batch(candidate, batch) if batch is not None else candidate)
 
             note = partialchoice.suggestion(plan, with_partial)
+            if note:
+                plan = replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note)))
+        # Cost: one more memory search and one more timing per plan that offloads the optimizer by auto's choice.
+        if _pure_bf16_may_help(plan, free, inputs, precision, pure_bf16, speed):
+            pure = planned(False, replace(allowed, offload="none"), pure_bf16=True)
+            if pure.fits:  # as ``--set train.pure_bf16=true`` plans it: the global batch, then timed
+                pure = timed(globalbatch.with_batch(pure, batch) if batch is not None else pure)
+            note = purechoice.suggestion(plan, pure)
             if note:
                 plan = replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note)))
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows

@@ -177,7 +177,7 @@ def other_launches_table(folder: Path) -> list[str]:
         "measured peak GiB |",
         "|---|---|---|---|---|",
     ]
-    names = ["lora-*", "before-lora-*", "dpo-*", "sftpairs-*", "full12-*", "bf16-full12-*", "synth-*"]
+    names = ["lora-*", "before-lora-*", "dpo-*", "sftpairs-*", "full12-*", "bf16-full*", "synth-*"]
     if not (folder / "offload-rates.json").is_file():  # else in the offload launches' table
         names.append("off-*")
     for path in sorted(p for pattern in names for p in folder.glob(f"{pattern}/summary.json")):
@@ -258,6 +258,7 @@ def tune_from_progress(folder: Path, warmup: int = 2) -> dict:
         if not found:
             continue
         rank, micro, checkpointed = int(found[1]), int(found[2]), int(found[3] or 0)
+        offload = "optimizer" if line.rstrip().endswith("offload optimizer") else "none"  # the candidate line's own
         # The candidate's own closing line has its prediction ("the model predicted N"); one cut before it closed
         # has the predicted step of its launch, which follows the candidate's line.
         closed = re.compile(rf"tune: candidate {rank}: .*the model predicted ([\d,]+)\)")
@@ -268,7 +269,7 @@ def tune_from_progress(folder: Path, warmup: int = 2) -> dict:
         )
         measured = median_tokens_per_s(events, warmup)  # as dzctl tune measures each candidate
         candidates.append({
-            "model_rank": rank, "micro_batch_size": micro, "checkpointed_layers": checkpointed, "offload": "none",
+            "model_rank": rank, "micro_batch_size": micro, "checkpointed_layers": checkpointed, "offload": offload,
             "tokens_per_s": measured,
             "predicted_tokens_per_s": float(predicted[1].replace(",", "")) if predicted else None,
             "error": None if measured else "no step after the warm-up (cut by the time limit)",

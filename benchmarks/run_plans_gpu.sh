@@ -11,7 +11,11 @@
 #   off-ratio-R         the same, DeepSpeed's partial offload: offload_optimizer.ratio RATIO (default 0.5) of the
 #                       optimizer on the CPU, the rest on the GPU, sub_group_size 5e8 (the ratio splits sub-groups)
 #   off-zenflow-R       the same, ZenFlow with overlap_step (the CPU step beside the next GPU work)
+#   off-zenflow-noliger-R  off-zenflow-R with train.fused_loss: none (no Liger kernels: ZenFlow keeps 2-D weights
+#                       transposed between module forwards, and under Liger it failed in the first forward)
 #   off-super-R         the same, offload_optimizer.super_offload (DeepSpeed's overlapped CPU step)
+#   bf16-full18-R       full FT, 18 layers, SFT rows, auto plan with train.pure_bf16 (10 bytes a parameter: on an H100
+#                       the states then fit beside the activations, so nothing is offloaded)
 #   lora-R              LoRA r16 (7 projections), 36 layers, SFT rows, auto plan
 #   lora-mMICRO-R       the same with micro-batch MICRO forced (checkpointing left to the planner)
 #   lora-m2nock-R       micro 2, no checkpointing
@@ -20,7 +24,9 @@
 #   grid-full12         recompute_h200.py, 12 layers: micro 2,4,8,16 x 0/half/all checkpointed
 #   tune-lora           `dzctl tune --top TUNE_TOP` (default 4) on the LoRA job: the planner's own choice and its next three
 #                       candidates, each a launch of 6 steps (the median of steps 3-6) in this one call
-#   tune-off            the same on full FT, 18 layers (on an H100: the optimizer offloaded)
+#   tune-off            the same on full FT, 18 layers (on an H100: the optimizer offloaded); TUNE_STEPS and
+#                       TUNE_WARMUP (default 6 and 2) set each candidate's steps, so four offloaded candidates
+#                       (about 10 s a step on an H100) fit one call
 #   tune-full12         the same on full FT, 12 layers
 #   probe-pref          issue 44: benchmarks/preference_activation_probe.py (one layer's saved activations on the
 #                       preference path: HF modules, SDPA on padded pairs, TRL's fused LM head; 1 and 3 layers)
@@ -51,6 +57,7 @@ CALL_S=${CALL_S:-560}
 RATIO=${RATIO:-0.5}
 TUNE_S=${TUNE_S:-540}  # the limit of each tune-* task
 TUNE_TOP=${TUNE_TOP:-4}  # the candidates each tune-* task measures
+TUNE_STEPS=${TUNE_STEPS:-6} TUNE_WARMUP=${TUNE_WARMUP:-2}  # each candidate's steps, and those left out of its median
 # OFF_SET: extra --set arguments of the off-* launches, e.g. "--set zero.offload=optimizer" where the states fit
 # (an H200) and the offloaded step is to be measured all the same.
 OFF_SET=${OFF_SET:-}
@@ -74,8 +81,8 @@ tune() {  # NAME LIMIT_S ARGS...: dzctl tune's candidates, in --limit-s of the c
     name=$1 limit=$2; shift 2
     if ! fits "$limit"; then echo "$name: skipped, $(($(date +%s) - began)) s into the call"; return; fi
     t0=$(date +%s)
-    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --tune "$TUNE_TOP" --steps 6 --warmup 2 \
-        --budget-s $((limit - 75)) --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
+    (cd "$HERE" && timeout "$limit" python3 benchmarks/useful_tokens_h200.py "$@" --tune "$TUNE_TOP" --steps "$TUNE_STEPS" \
+        --warmup "$TUNE_WARMUP" --budget-s $((limit - 75)) --out "$RES/$name" --work "/tmp/dzctl-$name") > "$RES/$name.log" 2>&1
     echo "$name: exit $?, $(($(date +%s) - t0)) s"; save
 }
 launch() {  # NAME LIMIT_S ARGS...
@@ -131,6 +138,8 @@ for task in $TASKS; do
         off-auto-*) launch "$task" 280 auto --layers 18 $G32 $OFF_SET $EXT ;;
         off-ratio-*) launch "$task" 290 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {sub_group_size: 500000000, offload_optimizer: {ratio: $RATIO}}}" ;;
+        off-zenflow-noliger-*) launch "$task" 200 auto --layers 18 $G32 $OFF_SET $EXT --set train.fused_loss=none \
+            "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
         off-zenflow-*) launch "$task" 170 auto --layers 18 $G32 $OFF_SET $EXT \
             "${OVR}{zero_optimization: {zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}}}" ;;
         off-super-*) launch "$task" 280 auto --layers 18 $G32 $OFF_SET $EXT \
@@ -144,7 +153,7 @@ for task in $TASKS; do
             launch "$task" 200 auto --set train.method=lora $G32 --set train.micro_batch_size="$m" ;;
         lora-*) launch "$task" 200 auto --set train.method=lora $G32 ;;
         full12-m*) m=${task#full12-m}; m=${m%%-*}
-            launch "$task" 150 auto --layers 12 $G32 --set train.micro_batch_size="$m" ;;
+            launch "$task" 200 auto --layers 12 $G32 --set train.micro_batch_size="$m" ;;
         full12-*) launch "$task" 150 auto --layers 12 $G32 ;;
         grid-lora) grid "$task" 240 --lora --layers 36 --micro 2,4,8,16 --checkpointed 0,half,all \
             --budget-s 200 --fetch-unit layer ;;
@@ -160,6 +169,7 @@ for task in $TASKS; do
             launch "$task" 200 auto --layers "$layers" $G32 --set data.path=synthetic:random ;;
         synth-bf16-full*) layers=${task#synth-bf16-full}; layers=${layers%%-*}
             launch "$task" 200 auto --layers "$layers" $G32 --set data.path=synthetic:random --set train.pure_bf16=true ;;
+        bf16-full18-*) launch "$task" 200 auto --layers 18 $G32 --set train.pure_bf16=true ;;
         bf16-full12-*) launch "$task" 150 auto --layers 12 $G32 --set train.pure_bf16=true ;;
         trace-dpo-full) (export PYTHONPATH="$HERE/benchmarks/memory_trace:$PYTHONPATH" \
                 DZCTL_BENCH_MEMORY_TRACE="$RES/$task"

@@ -28,6 +28,7 @@ from orchestrator.planning.memory.fromjob import plan_for_job
 from orchestrator.planning.memory.refusal import DoesNotFit, require_fit
 from orchestrator.planning.memory.search import Allowed, Hardware, plan_memory
 from orchestrator.planning.shape import CATALOGUE, shape_from_config
+from orchestrator.planning.speed import recompute
 from orchestrator.spec.job import load_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -602,5 +603,6 @@ def test_auto_choice_is_the_fastest_candidate_that_fits(model, slots, gpu, host,
     level = OFFLOAD_ORDER.index(chosen.offload)
     assert all(OFFLOAD_ORDER.index(c.offload) >= level for c in fitting)
     same_level = [c for c in fitting if c.offload == chosen.offload]
-    cost = [expected_cost_per_token(c, seq, shape.num_layers) for c in same_level]
-    assert expected_cost_per_token(chosen, seq, shape.num_layers) == min(cost)
+    scale = recompute.floor_scale(shape.layer_flops_per_token(seq))  # the model's own floor (speed/recompute.py)
+    cost = [expected_cost_per_token(c, seq, shape.num_layers, floor_scale=scale) for c in same_level]
+    assert expected_cost_per_token(chosen, seq, shape.num_layers, floor_scale=scale) == min(cost)

@@ -246,6 +246,10 @@ class ModelShape:
         attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return float(dense + attention)
 
+    def layer_flops_per_token(self, seq_len: int) -> float:
+        """One decoder layer's share of ``flops_per_token``: 6·(its parameters) + 12·heads·head_dim·seq."""
+        return float(6 * self.params_per_layer + 12 * self.num_heads * self.head_dim * seq_len)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

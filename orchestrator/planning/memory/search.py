@@ -345,12 +345,15 @@ def expected_cost_per_token(
     method: str = "full",
     fetch_unit: str = "module",
     gpu_kind: str | None = None,
+    floor_scale: float = 1.0,
 ) -> float:
     """Relative time per token (lower is faster); ranks candidates of one offload level (speed/recompute.py),
-    by the constants of ``gpu_kind`` where it has its own."""
+    by the constants of ``gpu_kind`` where it has its own; ``floor_scale``: recompute.floor_scale of the model."""
     checkpointed = choice.layers_checkpointed(num_layers)
     costs = recompute.costs_for(method, fetch_unit, gpu_kind)
-    return recompute.cost_per_token(choice.micro_batch_size, seq_len, checkpointed, num_layers, costs)
+    return recompute.cost_per_token(
+        choice.micro_batch_size, seq_len, checkpointed, num_layers, costs, floor_scale=floor_scale
+    )
 
 
 def plan_memory(
@@ -387,6 +390,7 @@ def plan_memory(
     layers = shape.num_layers
     counts = allowed.layer_counts(layers)
     method = "lora" if lora else "full"
+    floor_scale = recompute.floor_scale(shape.layer_flops_per_token(seq_len))
 
     def unit_of(est: Estimate) -> str:
         """The fetch unit this candidate would train with (``fetch_unit``: zero.fetch_unit as the spec has it)."""
@@ -432,7 +436,7 @@ def plan_memory(
                     hi, est = mid, est_mid
                 else:
                     lo = mid + 1
-            cost = expected_cost_per_token(est.choice, seq_len, layers, method, unit_of(est), gpu_kind)
+            cost = expected_cost_per_token(est.choice, seq_len, layers, method, unit_of(est), gpu_kind, floor_scale)
             ranked.append((cost, est.choice))
             if best is None or cost < best[0]:
                 best = (cost, est)

@@ -41,6 +41,22 @@ cost in token-times, so small micro-batches without recomputation win there. Wit
 the planner chose micro 16 with 33 of 36 layers recomputed on the H100, the slowest of four launches
 (9,799 tokens/s against 12,459 for micro 2 without recomputation, issue 42's table).
 
+Full fine-tuning has a floor too (``FULL_FLOOR_TOKENS``), measured on one H100 80GB: with the 12-layer shape a
+micro-step of micro-batch 1 took 0.40 s and one of micro-batch 2 (5 of 12 recomputed) 0.48 s, where the work above
+predicts 0.25 s and 0.38 s (``dzctl tune`` of ``benchmarks/results/plans-h100x1-20261207d/tune-full12``: 10,243 and
+17,086 tokens/s against 16,589 and 21,306 predicted). Both give the same floor, about 16,000 token-times scaled by
+(1 + N / 2L) as LoRA's is: ZeRO-3's hooks, about 15 modules a layer here, once each for the forward, the backward
+and a recomputed forward. That is the fit set (``benchmarks/full_floor_fit.py``, ``full-floor-fit.txt`` in
+``benchmarks/results/plans-h100x1-20261207e/``); the check set is three other launches on an H100, in another call
+(the same folder: micro 1, 2 and the auto plan). The H200's full fine-tuning fit never went below micro-batch 4,
+where the floor is under the work at every N, so its launches keep their predictions; no H200 launch checks the
+floor.
+
+A floor is host time per layer and micro-step, so in token-times it shrinks as a layer's FLOPs per token grow:
+``floor_scale`` divides the floors (full fine-tuning's and LoRA's, both measured on Qwen3-8B's layers at seq 4096)
+by the model's layer FLOPs per token over that layer's. A 72B layer (hidden 8192, intermediate 29568) does about
+4.2 times the work of an 8B one a token: its floor is about 3,900 token-times, under a micro-batch of 1's work.
+
 Checked on launches through dzctl, fitted on one card and checked on the other (``benchmarks/lora_crosscheck.py``,
 ``benchmarks/results/plans-h200x1-20261207/lora-crosscheck.txt``): the H100's constants on the four candidates of
 ``dzctl tune`` on one H200 (micro 4 to 32, 0 to 33 layers recomputed) are within 5.2 % of each; the H200's
@@ -62,7 +78,9 @@ class StepCosts:
     floor_tokens: float  # F: the step's floor when the GPU has little work (0: never binding)
 
 
-FULL = StepCosts(rho=0.42, fixed_tokens=5940.0, floor_tokens=0.0)
+# The floor of full fine-tuning by module, fitted on one H100 (above): benchmarks/full_floor_fit.py prints it.
+FULL_FLOOR_TOKENS = 16160.0
+FULL = StepCosts(rho=0.42, fixed_tokens=5940.0, floor_tokens=FULL_FLOOR_TOKENS)
 LORA = StepCosts(rho=0.30, fixed_tokens=5380.0, floor_tokens=28000.0)  # hooks on every sub-module
 LORA_BY_LAYER = StepCosts(rho=0.61, fixed_tokens=6720.0, floor_tokens=0.0)  # zero.fetch_unit: layer
 
@@ -85,10 +103,30 @@ def costs_for(method: str, fetch_unit: str = "module", gpu_kind: str | None = No
     return LORA_BY_LAYER if fetch_unit == "layer" else LORA
 
 
-def cost_per_token(micro_batch_size: int, seq_len: int, checkpointed: int, num_layers: int, costs: StepCosts) -> float:
-    """Relative time per token of a micro-step (lower is faster); ``checkpointed`` of ``num_layers`` recompute."""
+# The layer the floors were measured on: Qwen3-8B's (hidden 4096, intermediate 12288, 32 query and 8 KV heads of
+# 128, q/k norms) at seq 4096, in ModelShape.layer_flops_per_token's terms (tests/test_full_floor.py checks it).
+FLOOR_REFERENCE_LAYER_FLOPS = 6 * 192_946_432 + 12 * 32 * 128 * 4096
+
+
+def floor_scale(layer_flops_per_token: float) -> float:
+    """The factor on a floor for a model whose decoder layer takes ``layer_flops_per_token``: a floor is host time
+    per layer (hooks), so in token-times it is smaller where a token's work in a layer is larger."""
+    return FLOOR_REFERENCE_LAYER_FLOPS / layer_flops_per_token if layer_flops_per_token > 0 else 1.0
+
+
+def cost_per_token(
+    micro_batch_size: int,
+    seq_len: int,
+    checkpointed: int,
+    num_layers: int,
+    costs: StepCosts,
+    *,
+    floor_scale: float = 1.0,
+) -> float:
+    """Relative time per token of a micro-step (lower is faster); ``checkpointed`` of ``num_layers`` recompute;
+    ``floor_scale``: the model's (``floor_scale()``), 1 for the layer the floors were measured on."""
     tokens = micro_batch_size * seq_len
     share = checkpointed / num_layers if num_layers else 0.0
     work = tokens * (1 + costs.rho * share) + costs.fixed_tokens
-    floor = costs.floor_tokens * (1 + share / 2)
+    floor = costs.floor_tokens * floor_scale * (1 + share / 2)
     return max(work, floor) / tokens

@@ -183,6 +183,7 @@ class ComputePlan:
     num_layers: int = 0
     seq_len: int = 0
     fetch_unit: str = "module"  # zero.fetch_unit, resolved
+    floor_scale: float = 1.0  # recompute.floor_scale of the model's layer (1: the shape the floors were measured on)
 
 
 def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) -> tuple[float, str]:
@@ -212,7 +213,10 @@ def mfu_for(kind: GpuKind, loss_path: str, plan: ComputePlan = ComputePlan()) ->
     at_point = recompute.cost_per_token(
         point.micro_batch_size, point.seq_len, point.checkpointed, point.num_layers, costs
     )
-    here = recompute.cost_per_token(plan.micro_batch_size, plan.seq_len, plan.checkpointed, plan.num_layers, costs)
+    # the point's floor is its own shape's (Qwen3-8B's layers, scale 1); the plan's is its model's
+    here = recompute.cost_per_token(
+        plan.micro_batch_size, plan.seq_len, plan.checkpointed, plan.num_layers, costs, floor_scale=plan.floor_scale
+    )
     if abs(here / at_point - 1) < 1e-9:
         return point.mfu, where
     return point.mfu * at_point / here, f"{where}, scaled by the recompute model to micro {plan.micro_batch_size}, " + (

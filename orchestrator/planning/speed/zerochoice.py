@@ -21,6 +21,7 @@ from typing import Any
 from ..memory.estimate import Buckets, Choice, LoraShape, estimate
 from ..memory.search import MAX_AUTO_MICRO_BATCH, MemoryPlan, fits_hardware, host_per_node
 from ..shape import ModelShape
+from . import recompute
 from .communication import RATED_LINK_EFFICIENCY, Layout, Links, ZeroSettings
 from .offload import PCIE_EFFICIENCY, HostOptimizer, gradient_trips_seconds, offloaded_optimizer_seconds
 from .steptime import (
@@ -182,7 +183,7 @@ def choose_zero(
             zero=zero,
             links=links,
             overlap=overlap,
-            flops_per_s=compute_rate(gpu, plan.fused_loss, _compute_plan(candidate)),
+            flops_per_s=compute_rate(gpu, plan.fused_loss, _compute_plan(candidate, shape)),
             param_bytes=p,
             grad_bytes=p,
             grad_numels=grad_numels,
@@ -244,7 +245,7 @@ def choose_zero(
             f"preference reference: its forward is in the step time ({_reference_share(chosen):.0%} of the "
             "policy's forward and backward on the same sequences)"
         )
-    mfu, mfu_source = mfu_for(gpu, plan.fused_loss, _compute_plan(chosen))
+    mfu, mfu_source = mfu_for(gpu, plan.fused_loss, _compute_plan(chosen, shape))
     if hpz > 1 and user_hpz is None:
         moved = chosen.choice.micro_batch_size != planned_micro
         notes.append(
@@ -323,7 +324,7 @@ def _reference_share(plan: MemoryPlan) -> float:
     return reference_forward_share(plan.estimate.method == "lora", plan.choice.layers_checkpointed(layers), layers)
 
 
-def _compute_plan(plan: MemoryPlan) -> ComputePlan:
+def _compute_plan(plan: MemoryPlan, shape: ModelShape) -> ComputePlan:
     """The plan's micro-batch and checkpointed layers, which the measured MFU is scaled to."""
     layers = plan.estimate.num_layers
     return ComputePlan(
@@ -333,6 +334,7 @@ def _compute_plan(plan: MemoryPlan) -> ComputePlan:
         num_layers=layers,
         seq_len=plan.seq_len,
         fetch_unit=plan.fetch_unit,
+        floor_scale=recompute.floor_scale(shape.layer_flops_per_token(plan.seq_len)),
     )
 
 

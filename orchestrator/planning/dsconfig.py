@@ -19,6 +19,8 @@ API (stable; callers rely on it):
   with ``zero.overrides`` merged in last.
 - ``load_user_config(loaded_job) -> dict | None``: ``zero.config`` read (JSON), errors
   naming the file.
+- ``refuse_unsupported(loaded_job, user)``: raises ``InputError`` for a DeepSpeed setting of the job's own
+  (``zero.config``, already read, or ``zero.overrides``) known not to run under dzctl: ``zero_optimization.zenflow``.
 - ``merge(base, overrides) -> dict``: deep merge, overrides win.
 - ``fill_auto(ds, resolved, world_size, spec) -> dict``: replace ``"auto"`` values
   with the resolved ones, for a config that must be concrete before launch.
@@ -41,8 +43,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import SpecError
-from ..spec.job import JobSpec, LoadedJob
+from ..errors import InputError, SpecError
+from ..spec.job import JobSpec, LoadedJob, shown_override
 
 Precision = Literal["bf16", "fp16", "fp32"]
 
@@ -355,6 +357,88 @@ def load_user_config(loaded: LoadedJob) -> dict[str, Any] | None:
             fix='set "stage": 3 or remove it',
         )
     return data
+
+
+def refuse_unsupported(loaded: LoadedJob, user: dict[str, Any] | None) -> None:
+    """Raise ``InputError`` (exit 2) for a DeepSpeed setting of the job's own that is known not to run under dzctl,
+    naming the user's key, where it was given and the fix; return otherwise.
+
+    ``user``: ``zero.config`` as ``load_user_config`` read it (``None``: none); ``zero.overrides`` is merged over it,
+    as the job will run. ``planning/inputs.py::read_inputs`` calls this, so ``dzctl plan``, ``launch`` (its dry run
+    too) and ``tune`` refuse before any host is touched. Refused:
+
+    - ``zero_optimization.zenflow`` (DeepSpeed's ZenFlow). Measured: two launches on one H100 80GB (DeepSpeed
+      0.19.8, torch 2.11, transformers 5.17, the 18-layer Qwen3-8B shape, the optimizer offloaded to the CPU,
+      ``zenflow: {topk_ratio: 0.05, update_interval: 4, overlap_step: true}``) both failed in the first forward:
+      with Liger's kernels in its RMSNorm ("Cannot launch Triton kernel since n = 151936 exceeds the recommended
+      Triton blocksize"), without them (``train.fused_loss: none``) in transformers' Qwen3RMSNorm ("The size of
+      tensor a (4096) must match the size of tensor b (151936) at non-singleton dimension 2";
+      ``benchmarks/results/plans-h100x1-20261207e/off-zenflow-noliger-1.log``): the first decoder layer got hidden
+      states as wide as the vocabulary. Why, in DeepSpeed 0.19.8's source:
+
+      * ``runtime/zero/parameter_offload.py``, ``DeepSpeedZeRoOffload.pre_sub_module_forward_function`` (and
+        ``post_sub_module_forward_function``, and the two backward ones): with ZenFlow on, every parameter a
+        module has gathered whose ``ds_shape`` is 2-D is transposed (``param.data = param.data.t()``) before the
+        module runs and again after.
+      * ``runtime/zenflow/engine_stage3.py``, ``_initialize_zenflow_stage3_prologue`` (called from
+        ``DeepSpeedZeroOptimizer_Stage3.__init__`` before ``initialize_ds_offload``): this is meant to store each
+        2-D weight transposed first (``p.data = p.data.t().contiguous() if len(p.shape) != 1``), so that the
+        hooks above turn it back. But a model loaded under ZeRO-3 is built inside ``zero.Init`` (transformers'
+        ``from_pretrained``/``from_config`` when ZeRO-3 is configured; ``train/run.py`` always), whose
+        parameters are already partitioned: ``p.data`` is the empty 1-D placeholder ``free_param`` leaves
+        (``runtime/zero/partition_parameters.py``, ``torch.empty(0)``), so the prologue skips every one and
+        ``ds_shape`` stays the weight's own shape.
+
+      So every 2-D weight reaches its module's forward transposed; the first, the input embedding's
+      ``[vocab, hidden]``, is looked up as ``[hidden, vocab]`` and gives rows 151,936 wide. Reproduced on the CPU
+      with DeepSpeed 0.19.8: an ``nn.Embedding(100, 8)`` built in ``zero.Init`` under ``DeepSpeedZeRoOffload(...,
+      zenflow=True)`` returns ``[1, 3, 100]`` for three tokens. Under ZeRO-1/2 ZenFlow takes another path
+      (``runtime/zenflow/zenflow_stage_1_and_2.py``), but dzctl runs stage 3 only.
+    """
+    _refuse_zenflow(loaded, user)
+
+
+_ZENFLOW_KEY = "zero.overrides.zero_optimization.zenflow"
+
+_ZENFLOW_PROBLEM = (
+    "DeepSpeed's ZenFlow under ZeRO-3 (the only stage dzctl runs) failed in the first forward on both launches "
+    "measured (one H100, DeepSpeed 0.19.8, the 18-layer Qwen3-8B shape, optimizer offloaded to the CPU): the input "
+    "embedding's weight was kept transposed, [hidden, vocab], so the first decoder layer got hidden states 151,936 "
+    "wide (the vocabulary) instead of 4,096 (ZenFlow's hooks transpose each gathered 2-D weight for its forward, "
+    "expecting it stored transposed, which it is not in a model built partitioned by zero.Init, as dzctl builds "
+    "every model)"
+)
+
+
+def _refuse_zenflow(loaded: LoadedJob, user: dict[str, Any] | None) -> None:
+    overrides = loaded.spec.zero.overrides
+    zero = merge(user or {}, overrides).get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("zenflow") is None:
+        return
+    overridden = overrides.get("zero_optimization")
+    if isinstance(overridden, dict) and "zenflow" in overridden:
+        where = f"{_overrides_where(loaded)}: zero.overrides: zero_optimization.zenflow"
+        source = "from zero.overrides"
+    else:
+        path = loaded.resolve_local(loaded.spec.zero.config or "")
+        where = f"{path}: zero_optimization.zenflow (the job's zero.config, {loaded.where('zero.config')})"
+        source = f"from {path}"
+    raise InputError(
+        f"{where}: {_ZENFLOW_PROBLEM}",
+        fix=f"remove the zenflow section ({source}); for a faster step with the optimizer offloaded, keep part of "
+        "it on the GPUs with zero_optimization.offload_optimizer.ratio (DeepSpeed's partial offload, e.g. 0.5), "
+        "or set train.pure_bf16: true (bf16 optimizer states, kept on the GPUs)",
+    )
+
+
+def _overrides_where(loaded: LoadedJob) -> str:
+    """Where ``zero.overrides``' zenflow was given: the last ``--set`` that set it or a key inside it, else the
+    job file's line of it."""
+    for item in reversed(loaded.overrides):
+        dotted = item.split("=", 1)[0].strip()
+        if dotted == _ZENFLOW_KEY or _ZENFLOW_KEY.startswith(f"{dotted}.") or dotted.startswith(f"{_ZENFLOW_KEY}."):
+            return f"--set {shown_override(item)}"
+    return loaded.lines.where(tuple(_ZENFLOW_KEY.split(".")))
 
 
 def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: JobSpec) -> dict[str, Any]:

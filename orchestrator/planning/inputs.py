@@ -20,7 +20,7 @@ from ..spec.job import HUB_PREFIX, DataSource, JobSpec, LoadedJob, is_secret_nam
 from . import datafiles, fusedloss
 from .chattemplate import AUTO_TEMPLATE, ChatTemplate, resolve_chat_template
 from .datarows import DataError, RowOptions
-from .dsconfig import load_user_config
+from .dsconfig import load_user_config, refuse_unsupported
 from .evalsplit import EVAL_SPLIT_FIX, split_problem
 from .fusedloss import FusedLoss
 from .packing import resolve_packing
@@ -73,6 +73,7 @@ def read_inputs(job: LoadedJob) -> JobInputs:
     chat_template = resolve_chat_template(job)  # data.template: a file that exists and renders
     check_eval_split(job, shipped)
     user = load_user_config(job)  # zero.config: exists, JSON, stage 3
+    refuse_unsupported(job, user)  # DeepSpeed settings known not to run (zero.config or zero.overrides): ZenFlow
     shape = shape_for_job(job)  # the memory planner needs the model's shape: config.json, catalogue or model.config
     spec = job.spec
     return JobInputs(

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
-import yaml
 from click.testing import CliRunner
+from shapejobs import write_shape_job
 
 from orchestrator.cli import main
 from orchestrator.planning.speed.partialchoice import MIN_GAIN
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 H100 = ("--gpu-mem-gib", "80", "--gpu-kind", "H100")
 H200 = ("--gpu-mem-gib", "140", "--gpu-kind", "H200")
@@ -29,21 +25,9 @@ NOTE = "train.pure_bf16 keeps the optimizer on the GPUs"
 
 
 def _plan(tmp_path: Path, *sets: str, gpus: tuple[str, ...] = H100, method: str = "full") -> dict:
-    from zero3_h200 import MODELS
-
-    spec = {
-        "name": "pure-bf16-choice",
-        "runtime": "process",
-        "model": {
-            "name_or_path": "qwen3-8b-shape",
-            "init": "random",
-            "config": {**MODELS["qwen3-8b"], "num_hidden_layers": 18},
-        },
-        "data": {"path": str(ROOT / "jobs/data/tiny-alpaca-zh.jsonl"), "format": "alpaca"},
-        "train": {"method": method, "max_seq_len": 4096, "global_batch_size": 32, "save": False},
-    }
-    job, hosts = tmp_path / "job.yaml", tmp_path / "hosts.txt"
-    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    train = {"method": method, "max_seq_len": 4096, "global_batch_size": 32, "save": False}
+    job = write_shape_job(tmp_path / "job.yaml", "pure-bf16-choice", train, layers=18)
+    hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=1\n", encoding="utf-8")
     args = ["plan", str(job), "--hosts", str(hosts), "--host-mem-gib", "125", *gpus, "--host-adam-rate", "3.4"]
     for item in sets:

@@ -9,40 +9,21 @@ source: ``orchestrator/planning/dsconfig.py::refuse_unsupported``.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import yaml
 from click.testing import CliRunner
+from shapejobs import write_shape_job
 
 from orchestrator.cli import main
 from orchestrator.errors import InputError
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ZENFLOW = {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}
 OFFLOADED = {"stage": 3, "offload_optimizer": {"device": "cpu"}}  # a zero.config's own offload, as launched
 
 
 def _job(tmp_path: Path, zero: dict) -> Path:
-    from zero3_h200 import MODELS
-
-    spec = {
-        "name": "zenflow",
-        "runtime": "process",
-        "model": {
-            "name_or_path": "qwen3-8b-shape",
-            "init": "random",
-            "config": {**MODELS["qwen3-8b"], "num_hidden_layers": 18},
-        },
-        "data": {"path": str(ROOT / "jobs/data/tiny-alpaca-zh.jsonl"), "format": "alpaca"},
-        "train": {"max_seq_len": 4096, "global_batch_size": 32, "save": False},
-        "zero": {"offload": "optimizer", **zero},
-    }
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-    return job
+    train = {"max_seq_len": 4096, "global_batch_size": 32, "save": False}
+    return write_shape_job(tmp_path / "job.yaml", "zenflow", train, layers=18, zero={"offload": "optimizer", **zero})
 
 
 def _plan(tmp_path: Path, job: Path, *extra: str):

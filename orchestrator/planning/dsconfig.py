@@ -394,11 +394,29 @@ def refuse_unsupported(loaded: LoadedJob, user: dict[str, Any] | None) -> None:
       with DeepSpeed 0.19.8: an ``nn.Embedding(100, 8)`` built in ``zero.Init`` under ``DeepSpeedZeRoOffload(...,
       zenflow=True)`` returns ``[1, 3, 100]`` for three tokens. Under ZeRO-1/2 ZenFlow takes another path
       (``runtime/zenflow/zenflow_stage_1_and_2.py``), but dzctl runs stage 3 only.
+
+    - ``zero_optimization.stage`` other than 3 in ``zero.overrides`` (a ``zero.config`` file's is refused as it is
+      read, ``load_user_config``): the planner, the memory estimate and the trainer are ZeRO-3's, and DeepSpeed
+      would run the overridden stage.
     """
+    _refuse_overridden_stage(loaded)
     _refuse_zenflow(loaded, user)
 
 
+_STAGE_KEY = "zero.overrides.zero_optimization.stage"
 _ZENFLOW_KEY = "zero.overrides.zero_optimization.zenflow"
+
+
+def _refuse_overridden_stage(loaded: LoadedJob) -> None:
+    zero = loaded.spec.zero.overrides.get("zero_optimization")
+    stage = zero.get("stage", 3) if isinstance(zero, dict) else 3
+    if stage != 3:
+        raise InputError(
+            f"{_overrides_where(loaded, _STAGE_KEY)}: zero.overrides: zero_optimization.stage is {stage!r}; dzctl "
+            "plans, estimates and trains ZeRO stage 3 only, and DeepSpeed would run the stage the override names",
+            fix="remove zero_optimization.stage from zero.overrides (or set it to 3)",
+        )
+
 
 _ZENFLOW_PROBLEM = (
     "DeepSpeed's ZenFlow under ZeRO-3 (the only stage dzctl runs) failed in the first forward on both launches "
@@ -417,7 +435,7 @@ def _refuse_zenflow(loaded: LoadedJob, user: dict[str, Any] | None) -> None:
         return
     overridden = overrides.get("zero_optimization")
     if isinstance(overridden, dict) and "zenflow" in overridden:
-        where = f"{_overrides_where(loaded)}: zero.overrides: zero_optimization.zenflow"
+        where = f"{_overrides_where(loaded, _ZENFLOW_KEY)}: zero.overrides: zero_optimization.zenflow"
         source = "from zero.overrides"
     else:
         path = loaded.resolve_local(loaded.spec.zero.config or "")
@@ -431,14 +449,14 @@ def _refuse_zenflow(loaded: LoadedJob, user: dict[str, Any] | None) -> None:
     )
 
 
-def _overrides_where(loaded: LoadedJob) -> str:
-    """Where ``zero.overrides``' zenflow was given: the last ``--set`` that set it or a key inside it, else the
-    job file's line of it."""
+def _overrides_where(loaded: LoadedJob, key: str) -> str:
+    """Where ``key`` (dotted, under ``zero.overrides``) was given: the last ``--set`` that set it, a section
+    holding it or a key inside it, else the job file's line of it."""
     for item in reversed(loaded.overrides):
         dotted = item.split("=", 1)[0].strip()
-        if dotted == _ZENFLOW_KEY or _ZENFLOW_KEY.startswith(f"{dotted}.") or dotted.startswith(f"{_ZENFLOW_KEY}."):
+        if dotted == key or key.startswith(f"{dotted}.") or dotted.startswith(f"{key}."):
             return f"--set {shown_override(item)}"
-    return loaded.lines.where(tuple(_ZENFLOW_KEY.split(".")))
+    return loaded.lines.where(tuple(key.split(".")))
 
 
 def fill_auto(ds: dict[str, Any], resolved: Resolved, world_size: int, spec: JobSpec) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A job whose DeepSpeed settings ask for ZenFlow is refused at plan time (exit 2, no traceback).
+"""A job whose own DeepSpeed settings dzctl cannot run is refused at plan time (exit 2, no traceback): ZenFlow, and
+a ZeRO stage other than 3 given in ``zero.overrides``.
 
 Measured: two launches of the 18-layer Qwen3-8B shape on one H100 with the optimizer offloaded and
 ``zero_optimization.zenflow`` set (DeepSpeed 0.19.8) failed in the first forward, with hidden states as wide as
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from shapejobs import write_shape_job
 
@@ -110,3 +112,24 @@ def test_the_same_job_without_zenflow_plans(tmp_path):
     result = _plan(tmp_path, job)
     assert result.exit_code == 0, result.output
     assert "zenflow" not in result.output
+
+
+@pytest.mark.parametrize("how", ["job", "set"])
+def test_a_zero_stage_other_than_3_in_zero_overrides_is_refused_naming_where(tmp_path, how):
+    """Planned exit 0 before: the plan was ZeRO-3's, and DeepSpeed would have run stage 2."""
+    if how == "job":
+        job = _job(tmp_path, {"overrides": {"zero_optimization": {"stage": 2}}})
+        result, where = _plan(tmp_path, job), f"{job}:{_line_of(job, 'stage: 2')}"
+    else:
+        job = _job(tmp_path, {})
+        result = _plan(tmp_path, job, "--set", "zero.overrides.zero_optimization.stage=2")
+        where = "--set zero.overrides.zero_optimization.stage=2"
+    assert result.exit_code == InputError.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert f"{where}: zero.overrides: zero_optimization.stage is 2" in result.output, result.output
+    assert "remove zero_optimization.stage from zero.overrides" in result.output.split("fix: ", 1)[1]
+
+
+def test_stage_3_in_zero_overrides_still_plans(tmp_path):
+    job = _job(tmp_path, {"overrides": {"zero_optimization": {"stage": 3}}})
+    assert _plan(tmp_path, job).exit_code == 0

@@ -100,6 +100,11 @@ def _partial_offload_note(partial: PartialOffload, plan: MemoryPlan) -> str:
     )
 
 
+def _with_speed_note(plan: MemoryPlan, note: str | None) -> MemoryPlan:
+    """``plan`` with ``note`` added to its predicted step's notes (``None``: as it is)."""
+    return replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note))) if note else plan
+
+
 def _with_accumulation(spec: Any, steps: int) -> Any:
     """The job's spec with the accumulation a fixed global batch gives the plan (the DeepSpeed config's)."""
     return spec.model_copy(update={"train": spec.train.model_copy(update={"gradient_accumulation_steps": steps})})
@@ -427,6 +432,10 @@ def plan_for_job(
                 reference_forward=reference in ("frozen-copy", "adapters-off"),
             )
 
+        def batched_and_timed(candidate: MemoryPlan) -> MemoryPlan:
+            """An alternative a note may name, planned as the job asking for it would be: the global batch, timed."""
+            return timed(globalbatch.with_batch(candidate, batch) if batch is not None else candidate)
+
         plan = timed(plan)
         if _partial_offload_may_help(plan, allowed, spec, speed):
 
@@ -434,19 +443,14 @@ def plan_for_job(
                 candidate = planned(spec.train.method == "lora", replace(allowed, partial_offload=partial))
                 if not candidate.fits or candidate.choice.offload != "optimizer":
                     return None
-                return timed(globalbatch.with_batch(candidate, batch) if batch is not None else candidate)
+                return batched_and_timed(candidate)
 
-            note = partialchoice.suggestion(plan, with_partial)
-            if note:
-                plan = replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note)))
+            plan = _with_speed_note(plan, partialchoice.suggestion(plan, with_partial))
         # Cost: one more memory search and one more timing per plan that offloads the optimizer by auto's choice.
         if _pure_bf16_may_help(plan, free, inputs, precision, pure_bf16, speed):
             pure = planned(False, replace(allowed, offload="none"), pure_bf16=True)
-            if pure.fits:  # as ``--set train.pure_bf16=true`` plans it: the global batch, then timed
-                pure = timed(globalbatch.with_batch(pure, batch) if batch is not None else pure)
-            note = purechoice.suggestion(plan, pure)
-            if note:
-                plan = replace(plan, speed=replace(plan.speed, notes=(*plan.speed.notes, note)))
+            pure = batched_and_timed(pure) if pure.fits else pure
+            plan = _with_speed_note(plan, purechoice.suggestion(plan, pure))
         if plan.global_batch_key is not None:  # a ZeRO setting may have moved the micro-batch: accumulation follows
             spec = _with_accumulation(spec, plan.gradient_accumulation_steps)
     ds_config = ds_config_for(spec, inputs.user_ds_config, plan.resolved(), plan.world_size) if plan.fits else None

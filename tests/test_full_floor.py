@@ -28,7 +28,7 @@ def test_the_floors_reference_layer_is_qwen3_8bs_at_seq_4096():
 
     shape = shape_from_config(dict(MODELS["qwen3-8b"]), name="qwen3-8b", source="test")
     assert shape.layer_flops_per_token(4096) == recompute.FLOOR_REFERENCE_LAYER_FLOPS
-    assert recompute.floor_scale(shape.layer_flops_per_token(4096)) == 1.0
+    assert recompute.floor_scale(shape, 4096) == 1.0
 
 
 @pytest.mark.parametrize("launch", ["full12-m1-1", "full12-m2-1", "full12-1"])
@@ -61,7 +61,7 @@ def test_a_72b_layers_floor_is_scaled_down_by_its_work_per_token():
     """Host time per layer is the same; a 72B layer does about 4.2 times the work a token, so micro-batch 1 of
     Qwen2.5-72B is not floor-bound where the 8B shape's is."""
     big = shape_from_config(CATALOGUE["Qwen/Qwen2.5-72B"], name="Qwen/Qwen2.5-72B", source="catalogue")
-    scale = recompute.floor_scale(big.layer_flops_per_token(4096))
+    scale = recompute.floor_scale(big, 4096)
     assert scale == pytest.approx(1 / 4.17, rel=0.01)
     bare = recompute.StepCosts(recompute.FULL.rho, recompute.FULL.fixed_tokens, 0.0)
     layers = big.num_layers

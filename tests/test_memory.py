@@ -603,6 +603,6 @@ def test_auto_choice_is_the_fastest_candidate_that_fits(model, slots, gpu, host,
     level = OFFLOAD_ORDER.index(chosen.offload)
     assert all(OFFLOAD_ORDER.index(c.offload) >= level for c in fitting)
     same_level = [c for c in fitting if c.offload == chosen.offload]
-    scale = recompute.floor_scale(shape.layer_flops_per_token(seq))  # the model's own floor (speed/recompute.py)
+    scale = recompute.floor_scale(shape, seq)  # the model's own floor (speed/recompute.py)
     cost = [expected_cost_per_token(c, seq, shape.num_layers, floor_scale=scale) for c in same_level]
     assert expected_cost_per_token(chosen, seq, shape.num_layers, floor_scale=scale) == min(cost)

@@ -390,7 +390,7 @@ def plan_memory(
     layers = shape.num_layers
     counts = allowed.layer_counts(layers)
     method = "lora" if lora else "full"
-    floor_scale = recompute.floor_scale(shape.layer_flops_per_token(seq_len))
+    floor_scale = recompute.floor_scale(shape, seq_len)
 
     def unit_of(est: Estimate) -> str:
         """The fetch unit this candidate would train with (``fetch_unit``: zero.fetch_unit as the spec has it)."""

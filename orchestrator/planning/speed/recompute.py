@@ -68,6 +68,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..shape import ModelShape
+
 
 @dataclass(frozen=True)
 class StepCosts:
@@ -108,10 +110,11 @@ def costs_for(method: str, fetch_unit: str = "module", gpu_kind: str | None = No
 FLOOR_REFERENCE_LAYER_FLOPS = 6 * 192_946_432 + 12 * 32 * 128 * 4096
 
 
-def floor_scale(layer_flops_per_token: float) -> float:
-    """The factor on a floor for a model whose decoder layer takes ``layer_flops_per_token``: a floor is host time
-    per layer (hooks), so in token-times it is smaller where a token's work in a layer is larger."""
-    return FLOOR_REFERENCE_LAYER_FLOPS / layer_flops_per_token if layer_flops_per_token > 0 else 1.0
+def floor_scale(shape: ModelShape, seq_len: int) -> float:
+    """The factor on a floor for ``shape``'s decoder layer at ``seq_len``: a floor is host time per layer (hooks),
+    so in token-times it is smaller where a token's work in a layer is larger."""
+    flops = shape.layer_flops_per_token(seq_len)
+    return FLOOR_REFERENCE_LAYER_FLOPS / flops if flops > 0 else 1.0
 
 
 def cost_per_token(

@@ -334,7 +334,7 @@ def _compute_plan(plan: MemoryPlan, shape: ModelShape) -> ComputePlan:
         num_layers=layers,
         seq_len=plan.seq_len,
         fetch_unit=plan.fetch_unit,
-        floor_scale=recompute.floor_scale(shape.layer_flops_per_token(plan.seq_len)),
+        floor_scale=recompute.floor_scale(shape, plan.seq_len),
     )
 
 

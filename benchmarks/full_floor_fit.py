@@ -34,6 +34,7 @@ FIT = RESULTS / "plans-h100x1-20261207d" / "tune-full12" / "tune.json"
 CHECK = RESULTS / "plans-h100x1-20261207e"
 LAYERS = 12
 SEQ = 4096
+NO_FLOOR = replace(recompute.FULL, floor_tokens=0.0)  # full fine-tuning's constants before the floor
 BAND = 0.10  # the largest error of the model at micro-batches 4 and up on this card (+3.9 %, -2.2 %, +3.1 %)
 
 
@@ -71,17 +72,17 @@ def tokens_per_s(point: dict) -> float:
 
 
 def work(point: dict) -> float:
+    """The micro-step's work in token-times without the floor: recompute.py's cost per token times the tokens."""
     micro, checkpointed = point["plan"]["micro_batch_size"], point["plan"]["checkpointed_layers"]
-    return micro * SEQ * (1 + recompute.FULL.rho * checkpointed / LAYERS) + recompute.FULL.fixed_tokens
+    return recompute.cost_per_token(micro, SEQ, checkpointed, LAYERS, NO_FLOOR) * micro * SEQ
 
 
 def main() -> int:
     with_floor = recompute.FULL
-    without_floor = replace(with_floor, floor_tokens=0.0)
     rows = []
     for label, points in (("fit", fit_points()), ("check", check_points())):
         for point in points:
-            recompute.FULL = without_floor
+            recompute.FULL = NO_FLOOR
             bare = tokens_per_s(point)
             recompute.FULL = with_floor
             floored = tokens_per_s(point)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from orchestrator.planning.speed import recompute
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 CHECK = ROOT / "benchmarks" / "results" / "plans-h100x1-20261207e"
+NO_FLOOR = replace(recompute.FULL, floor_tokens=0.0)  # full fine-tuning's constants before the floor
 
 
 def test_the_floors_reference_layer_is_qwen3_8bs_at_seq_4096():
@@ -51,9 +53,7 @@ def test_the_h100_launches_left_out_of_the_floors_fit_are_predicted_within_10_pe
 def test_the_floor_is_under_the_work_wherever_the_h200_fit_was_measured(micro, checkpointed):
     """The H200's fit (18 layers, micro 4 to 32, N = 0, 9, 18) is untouched by the floor."""
     floored = recompute.cost_per_token(micro, 4096, checkpointed, 18, recompute.FULL)
-    bare = recompute.cost_per_token(
-        micro, 4096, checkpointed, 18, recompute.StepCosts(recompute.FULL.rho, recompute.FULL.fixed_tokens, 0.0)
-    )
+    bare = recompute.cost_per_token(micro, 4096, checkpointed, 18, NO_FLOOR)
     assert floored == bare
 
 
@@ -63,9 +63,8 @@ def test_a_72b_layers_floor_is_scaled_down_by_its_work_per_token():
     big = shape_from_config(CATALOGUE["Qwen/Qwen2.5-72B"], name="Qwen/Qwen2.5-72B", source="catalogue")
     scale = recompute.floor_scale(big, 4096)
     assert scale == pytest.approx(1 / 4.17, rel=0.01)
-    bare = recompute.StepCosts(recompute.FULL.rho, recompute.FULL.fixed_tokens, 0.0)
     layers = big.num_layers
     assert recompute.cost_per_token(1, 4096, 0, layers, recompute.FULL, floor_scale=scale) == (
-        recompute.cost_per_token(1, 4096, 0, layers, bare)
+        recompute.cost_per_token(1, 4096, 0, layers, NO_FLOOR)
     )
-    assert recompute.cost_per_token(1, 4096, 0, 36, recompute.FULL) > recompute.cost_per_token(1, 4096, 0, 36, bare)
+    assert recompute.cost_per_token(1, 4096, 0, 36, recompute.FULL) > recompute.cost_per_token(1, 4096, 0, 36, NO_FLOOR)

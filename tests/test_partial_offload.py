@@ -10,38 +10,22 @@ plan says when a ratio keeps none. Pure: ``dzctl plan`` on one H100's memory, no
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
+from shapejobs import write_shape_job
 
 from orchestrator.cli import main
 from orchestrator.planning.memory.estimate import GIB, PARTIAL_OFFLOAD_TERM, PartialOffload
 from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 from orchestrator.planning.speed.partialchoice import MIN_GAIN
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
 
 def _plan(tmp_path: Path, *sets: str, host_adam_rate: str = "5") -> tuple[int, dict | str]:
-    from zero3_h200 import MODELS
-
-    spec = {
-        "name": "partial-offload",
-        "runtime": "process",
-        "model": {
-            "name_or_path": "qwen3-8b-shape",
-            "init": "random",
-            "config": {**MODELS["qwen3-8b"], "num_hidden_layers": 18},
-        },
-        "data": {"path": "synthetic:random"},
-        "train": {"max_seq_len": 4096, "global_batch_size": 32, "save": False},
-    }
-    job, hosts = tmp_path / "job.yaml", tmp_path / "hosts.txt"
-    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    train = {"max_seq_len": 4096, "global_batch_size": 32, "save": False}
+    job = write_shape_job(tmp_path / "job.yaml", "partial-offload", train, layers=18, data={"path": "synthetic:random"})
+    hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=1\n", encoding="utf-8")
     args = ["plan", str(job), "--hosts", str(hosts), "--gpu-mem-gib", "80", "--host-mem-gib", "125"]
     args += ["--gpu-kind", "H100", "--host-adam-rate", host_adam_rate, "--json", "--set", "zero.offload=optimizer"]

@@ -11,31 +11,21 @@ session's auto launch (same folder). Here: which plan each kind gets, pure.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
+from shapejobs import write_shape_job
 
 from orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _plan(tmp_path: Path, kind: str, gpu_mem_gib: int) -> dict:
-    from zero3_h200 import MODELS
-
-    spec = {
-        "name": "lora-by-kind",
-        "runtime": "process",
-        "model": {"name_or_path": "qwen3-8b-shape", "init": "random", "config": dict(MODELS["qwen3-8b"])},
-        "data": {"path": str(ROOT / "jobs/data/tiny-alpaca-zh.jsonl"), "format": "alpaca"},
-        "train": {"method": "lora", "max_seq_len": 4096, "global_batch_size": 32, "save": False},
-    }
-    job, hosts = tmp_path / f"job-{kind}.yaml", tmp_path / "hosts.txt"
-    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    train = {"method": "lora", "max_seq_len": 4096, "global_batch_size": 32, "save": False}
+    job = write_shape_job(tmp_path / f"job-{kind}.yaml", "lora-by-kind", train, layers=36)
+    hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=1\n", encoding="utf-8")
     args = ["plan", str(job), "--hosts", str(hosts), "--gpu-mem-gib", str(gpu_mem_gib), "--host-mem-gib", "125"]
     result = CliRunner().invoke(main, [*args, "--gpu-kind", kind, "--json"], catch_exceptions=False)
@@ -60,17 +50,10 @@ def test_a_dpo_plan_holds_the_lora_launch_on_one_h100_within_5_percent(tmp_path)
     GiB (24 % on the unsafe side). The plan counts TRL's fused LM head, HF's modules with LoRA's frozen norms
     and SDPA's repeated K and V on padded pairs (``benchmarks/preference_peak_check.py``).
     """
-    from zero3_h200 import MODELS
-
-    spec = {
-        "name": "dpo-lora",
-        "runtime": "process",
-        "model": {"name_or_path": "qwen3-8b-shape", "init": "random", "config": dict(MODELS["qwen3-8b"])},
-        "data": {"path": str(ROOT / "jobs/data/dpo-pairs.jsonl"), "format": "sharegpt"},
-        "train": {"method": "lora", "stage": "dpo", "max_seq_len": 2048, "global_batch_size": 32, "save": False},
-    }
-    job, hosts = tmp_path / "dpo.yaml", tmp_path / "hosts.txt"
-    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    train = {"method": "lora", "stage": "dpo", "max_seq_len": 2048, "global_batch_size": 32, "save": False}
+    pairs = {"path": str(ROOT / "jobs/data/dpo-pairs.jsonl"), "format": "sharegpt"}
+    job = write_shape_job(tmp_path / "dpo.yaml", "dpo-lora", train, layers=36, data=pairs)
+    hosts = tmp_path / "hosts.txt"
     hosts.write_text("localhost slots=1\n", encoding="utf-8")
     args = ["plan", str(job), "--hosts", str(hosts), "--gpu-mem-gib", "80", "--host-mem-gib", "125"]
     args += ["--gpu-kind", "H100", "--json", "--set", "train.micro_batch_size=2"]

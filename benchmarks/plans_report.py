@@ -238,6 +238,7 @@ def ceiling_table(folder: Path) -> list[str]:
 TUNE_CANDIDATE = re.compile(
     r"tune: candidate (\d+)/\d+: micro-batch (\d+), checkpointing (?:off|on in (\d+) of \d+ layers)"
 )
+TUNE_WARMUP = re.compile(r"^===== tune: .* --warmup (\d+)")
 PREDICTED = re.compile(r"predicted step: .* micro-step, ([\d,]+) tokens/s/GPU")
 
 
@@ -245,13 +246,16 @@ def _first_match(pattern: re.Pattern, lines: list[str]) -> re.Match | None:
     return next((found for line in lines if (found := pattern.search(line))), None)
 
 
-def tune_from_progress(folder: Path, warmup: int = 2) -> dict:
+def tune_from_progress(folder: Path) -> dict:
     """A tune cut by its time limit (empty tune.json): its candidates rebuilt as ``dzctl tune`` measures them, the
-    median of rank 0's tokens/s over the steps after ``warmup`` (``progress-cN-*.jsonl``), each candidate's
+    median of rank 0's tokens/s over the steps after the tune's own ``--warmup`` (its command line, the first line
+    of ``runs.log``; dzctl tune's default where it gave none) from ``progress-cN-*.jsonl``, each candidate's
     prediction from its launch's ``predicted step`` line in ``runs.log``."""
-    from orchestrator.backends.tune import median_tokens_per_s
+    from orchestrator.backends.tune import TuneOptions, median_tokens_per_s
 
     runs = (folder / "runs.log").read_text(encoding="utf-8").splitlines()
+    given = _first_match(TUNE_WARMUP, runs[:1])
+    warmup = int(given[1]) if given else TuneOptions.warmup
     candidates = []
     for index, line in enumerate(runs):
         found = TUNE_CANDIDATE.search(line)

@@ -29,11 +29,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-LAUNCHES = (  # (card, folder of the launch)
-    ("H200", "benchmarks/results/plans-h200x1-20261207/off-auto-1"),
-    ("H100", "benchmarks/results/plans-h100x1-20261206/off-auto-3"),
-    ("H100", "benchmarks/results/plans-h100x1-20261207c/off-auto-1"),
-    ("H100", "benchmarks/results/plans-h100x1-20261207c/off-ratio-1"),
+LAUNCHES = (  # (card, folder of the launch, the preflight probe that read its host rate)
+    ("H200", "benchmarks/results/plans-h200x1-20261207/off-auto-1", "old"),
+    ("H100", "benchmarks/results/plans-h100x1-20261206/off-auto-3", "old"),
+    ("H100", "benchmarks/results/plans-h100x1-20261207c/off-auto-1", "old"),
+    ("H100", "benchmarks/results/plans-h100x1-20261207c/off-ratio-1", "old"),
+    ("H100", "benchmarks/results/plans-h100x1-20261208/off-auto-m32", "new"),
+)
+# ``dzctl tune``'s offloaded candidates, each a launch with its own preflight (the probe of 2026-12-07e on: the
+# fastest of five single-timed AdamW steps, where the old one timed three together).
+TUNES = (
+    ("H100", "benchmarks/results/plans-h100x1-20261207e/tune-off", "new"),
+    ("H100", "benchmarks/results/plans-h100x1-20261208/tune-off", "new"),
 )
 RATE = re.compile(
     r"host AdamW ([0-9.]+) G params/s(?:, copy up ([0-9.]+) GB/s|, copies ([0-9.]+) GB/s up and ([0-9.]+) down)?"
@@ -57,7 +64,37 @@ def preflight_host(runs_log: str):
     )
 
 
-def without_other_passes(card: str, folder: str) -> dict:
+def tune_candidates(card: str, folder: str, probe: str) -> list[tuple[str, str, str, dict, str]]:
+    """Each measured candidate of a ``dzctl tune`` as a launch: its plan, its own preflight's host note, and its
+    step time, the median of its steps after the tune's warm-up (from the times of its progress events)."""
+    import statistics
+
+    from plans_report import TUNE_CANDIDATE, TUNE_WARMUP
+
+    path = REPO / folder
+    summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
+    runs = (path / "runs.log").read_text(encoding="utf-8")
+    warmup = int(TUNE_WARMUP.search(runs.splitlines()[0])[1])
+    preamble, *segments = re.split(r"(?m)^(?=tune: candidate \d+/\d+:)", runs)
+    segments[0] = preamble + segments[0]  # the first candidate's preflight ran before its line: the tune's own
+    out = []
+    for segment in segments:
+        found = TUNE_CANDIDATE.search(segment)
+        rank, micro, checkpointed = int(found[1]), int(found[2]), int(found[3] or 0)
+        progress = next(path.glob(f"progress-c{rank}-*.jsonl"), None)
+        lines = progress.read_text(encoding="utf-8").splitlines() if progress else []  # none: cut in its launch
+        events = [json.loads(x) for x in lines if x.strip()]
+        times = {e["step"]: e["time"] for e in events if e["event"] in ("start", "step")}
+        steps = [times[k] - times[k - 1] for k in sorted(times) if k > warmup and k - 1 in times]
+        if not steps:
+            continue  # cut before a step after the warm-up
+        plan = {**summary["plan"], "micro_batch_size": micro, "checkpointed_layers": checkpointed}
+        result = {**summary, "plan": plan, "median_step_s": statistics.median(steps)}
+        out.append((card, f"{folder}/c{rank}", probe, result, segment))
+    return out
+
+
+def without_other_passes(card: str, folder: str, probe: str, result: dict | None = None, log: str = "") -> dict:
     """One launch re-predicted without ``HOST_OTHER_PASSES``, and the host's AdamW seconds it is a multiple of.
 
     The step is linear in the constant (``offloaded_optimizer_seconds``: (1 + passes) x the AdamW's seconds), and
@@ -67,16 +104,27 @@ def without_other_passes(card: str, folder: str) -> dict:
 
     from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 
-    path = REPO / folder
-    result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
-    host = preflight_host((path / "runs.log").read_text(encoding="utf-8"))
+    if result is None:
+        path = REPO / folder
+        result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
+        log = (path / "runs.log").read_text(encoding="utf-8")
+    host = preflight_host(log)
     plan, step_s = predicted(result, host, card)
     on_host = plan.estimate.trainable_params - plan.estimate.optimizer_on_gpu  # one rank: the node's partition
     adam_s = on_host / host.adam_params_per_s
     return {
-        "card": card, "folder": folder, "plan": plan, "host": host, "without_s": step_s - HOST_OTHER_PASSES * adam_s,
-        "adam_s": adam_s, "measured_s": result["median_step_s"],
+        "card": card, "folder": folder, "probe": probe, "plan": plan, "host": host,
+        "without_s": step_s - HOST_OTHER_PASSES * adam_s, "adam_s": adam_s, "measured_s": result["median_step_s"],
     }  # fmt: skip
+
+
+def all_launches() -> list[dict]:
+    """Every launch and tune candidate above, re-predicted, with the constant it alone implies (``implied``)."""
+    rows = [without_other_passes(*launch) for launch in LAUNCHES]
+    rows += [without_other_passes(*c) for card, folder, probe in TUNES for c in tune_candidates(card, folder, probe)]
+    for row in rows:
+        row["implied"] = (row["measured_s"] - row["without_s"]) / row["adam_s"]
+    return rows
 
 
 def main() -> int:
@@ -84,17 +132,16 @@ def main() -> int:
 
     from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 
-    rows = [without_other_passes(card, folder) for card, folder in LAUNCHES]
+    rows = all_launches()
     for row in rows:
         plan, layers = row["plan"], row["plan"].estimate.num_layers
-        row["implied"] = (row["measured_s"] - row["without_s"]) / row["adam_s"]
         partial = (
             f", {plan.estimate.optimizer_on_gpu / 1e9:.2f} G stepped on the GPU"
             if plan.estimate.optimizer_on_gpu
             else ""
         )
         print(
-            f"{row['card']} ({row['folder']}): micro {plan.choice.micro_batch_size} x "
+            f"{row['card']} ({row['folder']}, {row['probe']} probe): micro {plan.choice.micro_batch_size} x "
             f"{plan.gradient_accumulation_steps}, "
             f"{plan.choice.layers_checkpointed(layers)}/{layers} recomputed{partial}; {row['host'].describe()}"
         )
@@ -105,15 +152,21 @@ def main() -> int:
             f"{row['adam_s']:.2f} s"
         )
     print(f"HOST_OTHER_PASSES in planning/speed/offload.py: {HOST_OTHER_PASSES:.2f}")
-    for fit_card, check_card in (("H200", "H100"), ("H100", "H200")):
-        passes = statistics.median(r["implied"] for r in rows if r["card"] == fit_card)
-        for row in (r for r in rows if r["card"] == check_card):
+    groups = sorted({(r["card"], r["probe"]) for r in rows}, key=lambda g: (g[1] == "new", g[0] == "H100"))
+    for fit_card, fit_probe in groups:
+        fit = [r for r in rows if (r["card"], r["probe"]) == (fit_card, fit_probe)]
+        passes = statistics.median(r["implied"] for r in fit)
+        errors = []
+        for row in (r for r in rows if r["card"] != fit_card):
             step = row["without_s"] + passes * row["adam_s"]
+            errors.append(row["measured_s"] / step - 1)
             print(
-                f"fit on {fit_card} ({passes:.2f} passes), check on {check_card} ({row['folder'].split('/')[-2]}/"
-                f"{row['folder'].split('/')[-1]}): predicted {step:.2f} s against {row['measured_s']:.2f} s measured: "
-                f"predicted tokens/s {row['measured_s'] / step - 1:+.1%} of the measured"
+                f"fit on {fit_card}, {fit_probe} probe ({len(fit)} launch(es), {passes:.2f} passes), check on "
+                f"{row['card']} ({row['folder'].removeprefix('benchmarks/results/')}, {row['probe']} probe): predicted "
+                f"{step:.2f} s against {row['measured_s']:.2f} s measured: predicted tokens/s {errors[-1]:+.1%} of "
+                "the measured"
             )
+        print(f"  fit on {fit_card}, {fit_probe} probe: worst {max(map(abs, errors)):.1%} on {len(errors)} launches")
     return 0
 
 

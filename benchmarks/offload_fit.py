@@ -4,18 +4,25 @@
 
 The launches: the 18-layer Qwen3-8B shape with the optimizer offloaded, through ``dzctl launch``: on one H100
 the auto plans of 2026-12-06 (``plans-h100x1-20261206/off-auto-3``: micro 8 x 4, 7 recomputed) and 2026-12-07
-(``plans-h100x1-20261207c/off-auto-1``: micro 4 x 8, none recomputed) and the same job with DeepSpeed's partial
-offload (``off-ratio-1``: ratio 0.5, sub_group_size 5e8); on one H200 the same job with ``zero.offload=optimizer``
+(``plans-h100x1-20261207c/off-auto-1``: micro 4 x 8, none recomputed), the same job with DeepSpeed's partial
+offload (``off-ratio-1``: ratio 0.5, sub_group_size 5e8), the measured candidates of two ``dzctl tune`` runs
+(``plans-h100x1-20261207e/tune-off``, ``plans-h100x1-20261208/tune-off``) and the second one's fourth candidate
+launched alone (``plans-h100x1-20261208/off-auto-m32``); on one H200 the same job with ``zero.offload=optimizer``
 forced (``plans-h200x1-20261207/off-auto-1``; its states fit, the offloaded step is measured all the same). Each is
 re-predicted by today's step-time model on its own plan and with the host rates its own preflight measured
-(the ``host AdamW`` note of its launch log), and compared with its measured step (the median of steps 4-7).
+(the ``host AdamW`` note of its launch log), and compared with its measured step (a launch's median step after
+its warm-up, steps 4-7 or, for ``off-auto-m32``, 2-3; a tune candidate's after the tune's warm-up, from its
+progress events' times). Each launch is
+marked with the preflight probe that read its rate: "old" (three fused AdamW steps timed together) before
+2026-12-07e, "new" (the fastest of five single-timed steps) since.
 
 The model's host step (planning/speed/offload.py) is the AdamW over the node's partitions at the measured
 rate, the weights' upload, and ``HOST_OTHER_PASSES`` more AdamW-equivalents for the rest of DeepSpeed's host
 work (the fp32 gradient buffer, the norm and the clipping over it, the 16-bit weights written for the upload);
 the gradients' trips of each micro-step run beside the backward. This script prints, per launch, the step
 without that constant, the seconds it leaves unexplained, and the constant each launch alone implies; then the
-constant fitted on each card (the median of its launches) and every launch of the other card predicted with it.
+constant fitted on each card and probe (the median of its launches) and every launch of the other card predicted
+with it. ``HOST_OTHER_PASSES`` is the H100's fit on the new probe, checked on the H200.
 """
 
 from __future__ import annotations

@@ -86,8 +86,9 @@ def host_optimizer_from_nodes(readings: Mapping[str, Mapping[str, float]]) -> Ho
 # written for the upload. Not timed one by one: fitted as the seconds the AdamW and the weights' upload leave
 # unexplained, the median of six launches on one H100 whose preflight ran today's probe (benchmarks/offload_fit.py:
 # the 18-layer shape with the optimizer offloaded, plans-h100x1-20261207e and -20261208), checked on the H200's
-# launches. It was 2.91, fitted on one H200 launch read by the old probe (three AdamW steps timed together, which
-# reads lower); on today's probe's H100 launches that left one at +12.7 % tokens/s (the script prints both ways).
+# launches. It was 2.91, fitted on one H200 launch read by the old probe (three AdamW steps timed together: a burst
+# of other work read it low); on today's probe's H100 launches that left one at +12.7 % tokens/s (the script prints
+# both ways).
 HOST_OTHER_PASSES = 3.55
 
 

@@ -129,6 +129,9 @@ EXTENDED = {
     "tests/test_preflight_ops.py::test_offload_plan_fails_before_anything_starts_where_no_compiler_can_build_cpu_adam",
     # test_the_middle_checkpoint_exports_and_gives_the_trainers_own_logits (the same export of another checkpoint)
     "tests/test_export.py::test_the_last_checkpoint_exports_as_the_runs_own_end_model",
+    # 17 s with its two docker hosts: test_stop_that_leaves_a_rank_running_exits_1_and_status_says_running (the
+    # same rule on process hosts: the node named, exit 1, status never "stopped"; 6 s)
+    "tests/test_stop.py::test_stop_with_one_dockerd_down_exits_1_names_that_node_and_status_never_reads_stopped",
 }
 
 

@@ -109,9 +109,6 @@ EXTENDED = {
     "tests/test_collective_e2e.py::test_ctrl_c_during_the_check_leaves_nothing[docker]",  # [process] stays
     # [40MiB-after-last-byte-paramiko] stays
     "tests/test_distribute.py::test_a_node_that_stalls_is_cut_off_within_the_bound_whatever_the_size[40MiB-after-last-byte-openssh]",
-    # 33 s: test_a_controller_killed_after_sbatch_leaves_a_job_that_status_relaunch_and_stop_find (9 s) stops a
-    # queued Slurm job to "stopped" with nothing left on either node
-    "tests/test_slurm.py::test_stop_cancels_the_slurm_job_and_leaves_nothing_on_either_node[process]",
     # 30 s: test_e2e's killed node [process] (the gang stop, the first failure named, 26 s) and
     # test_a_failed_check_inside_the_allocation_ends_the_job_before_training (a failed job through Slurm, 6 s)
     "tests/test_slurm.py::test_a_killed_rank_fails_the_slurm_job_on_both_nodes_and_is_named[process]",
@@ -119,8 +116,6 @@ EXTENDED = {
     "tests/test_launcher.py::test_the_tiny_job_launches_from_python_through_prepare_and_execute",
     # test_rank_0s_decision_is_the_one_every_rank_follows
     "tests/test_save_minutes.py::test_save_minutes_saves_every_step_of_a_real_two_rank_run_together",
-    # test_deepspeeds_optimizer_keeps_a_bf16_master_copy_and_bf16_moments (the live optimizer, 10 s)
-    "tests/test_pure_bf16.py::test_the_trainer_runs_zero3_with_bf16_adam_states_and_its_checkpoint_exports",
     # 31 s with its models: test_launch_refuses_missing_weights_before_it_ships_the_image (the check on a host, 2 s)
     "tests/test_preflight_weights.py::test_weights_are_looked_for_on_every_node_before_anything_starts",
     # test_cpu_image_without_its_compiler_fails_an_offload_plan_and_still_takes_the_tiny_job (the same probe)

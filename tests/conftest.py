@@ -266,19 +266,10 @@ def cpu_image_build(local_docker_url, base_image):
     to run the build itself: the second, all cached, still took 5-8 s of a CI run.
     """
     import json
-    import subprocess
-    import sys
 
-    from test_image import cpu_build_args
+    from test_image import cpu_build_args, dzctl
 
-    env = {**os.environ, "DOCKER_HOST": local_docker_url}
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator", *cpu_build_args(base_image)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-    )
+    done = dzctl(cpu_build_args(base_image), local_docker_url)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     return json.loads(done.stdout)

@@ -232,16 +232,9 @@ def cpu_build_args(base_image: str) -> list[str]:
     return ["build", "--flavour", "cpu", "--base-image", base_image, "--tag", CPU_TAG, "--json"]
 
 
-@pytest.fixture(scope="module")
-def cpu_image(cpu_image_build):
-    """The CPU flavour, built by `dzctl build` (its JSON report): the session's one build (tests/conftest.py),
-    whose command is ``cpu_build_args``; it asserts exit 0 and no traceback."""
-    return cpu_image_build
-
-
 @pytest.mark.integration
 @pytest.mark.slow
-def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
+def test_cpu_image_imports_and_labels_are_true(cpu_image_build, local_docker_url):
     script = (
         "import json, torch, deepspeed, transformers, orchestrator;"
         "print(json.dumps({'torch': torch.__version__, 'deepspeed': deepspeed.__version__,"
@@ -249,7 +242,7 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
         " 'cuda': torch.version.cuda or 'cpu'}))"
     )
     # By ID, not tag: other test sessions on this machine may re-tag dzctl-test/cpu meanwhile.
-    image_id = cpu_image["image_id"]
+    image_id = cpu_image_build["image_id"]
     ran = docker_cli(["run", "--rm", "--network", "host", image_id, "python", "-c", script], local_docker_url)
     assert ran.returncode == 0, ran.stderr[-2000:]
     inside = json.loads(ran.stdout.strip().splitlines()[-1])
@@ -275,21 +268,21 @@ def test_cpu_image_imports_and_labels_are_true(cpu_image, local_docker_url):
     assert not [line for line in listed.stdout.splitlines() if line.lower().startswith(("liger", "triton"))]
     assert labels["dzctl.liger-kernel"] == "none"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", labels["dzctl.build-time"])
-    assert cpu_image["labels"] == {k: v for k, v in labels.items() if k.startswith("dzctl.")}
+    assert cpu_image_build["labels"] == {k: v for k, v in labels.items() if k.startswith("dzctl.")}
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_build_ends_with_the_image_in_the_layer_store(cpu_image, local_docker_url):
+def test_build_ends_with_the_image_in_the_layer_store(cpu_image_build, local_docker_url):
     # distribute then sends nodes the stored blobs: no docker save while they wait.
     from orchestrator.image.store import default_root
 
     layers = json.loads(
         docker_cli(
-            ["image", "inspect", "--format", "{{json .RootFS.Layers}}", cpu_image["image_id"]], local_docker_url
+            ["image", "inspect", "--format", "{{json .RootFS.Layers}}", cpu_image_build["image_id"]], local_docker_url
         ).stdout
     )
-    report = cpu_image["layer_store"]
+    report = cpu_image_build["layer_store"]
     assert report["filled"], report
     assert report["layers_total"] == len(layers) and 0 <= report["layers_pushed"] <= len(layers)
     assert report["note"].startswith(f"layer store: {report['layers_pushed']} of {len(layers)} layers pushed")
@@ -299,13 +292,13 @@ def test_build_ends_with_the_image_in_the_layer_store(cpu_image, local_docker_ur
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image, local_docker_url):
+def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image_build, local_docker_url):
     # The shm op was compiled at build time: loading it must not compile (no "Building extension").
     script = (
         "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=True);"
         "import importlib.util; assert importlib.util.find_spec('orchestrator.train'); print('ok')"
     )
-    image_id = cpu_image["image_id"]
+    image_id = cpu_image_build["image_id"]
     ran = docker_cli(["run", "--rm", "--network", "host", image_id, "python", "-c", script], local_docker_url)
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.strip().endswith("ok")
@@ -316,13 +309,13 @@ def test_cpu_image_runs_the_trainer_module_and_deepspeed_cpu_op(cpu_image, local
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_rebuild_without_changes_keeps_the_image_id(cpu_image, local_docker_url, base_image):
+def test_rebuild_without_changes_keeps_the_image_id(cpu_image_build, local_docker_url, base_image):
     # Same inputs, same image: nodes that hold it need nothing new (build-time is not bumped).
     again = dzctl(cpu_build_args(base_image), local_docker_url)
     assert again.returncode == 0, again.stderr[-3000:]
     report = json.loads(again.stdout)
-    assert report["image_id"] == cpu_image["image_id"]
-    assert report["labels"]["dzctl.build-time"] == cpu_image["labels"]["dzctl.build-time"]
+    assert report["image_id"] == cpu_image_build["image_id"]
+    assert report["labels"]["dzctl.build-time"] == cpu_image_build["labels"]["dzctl.build-time"]
 
 
 @pytest.mark.integration
@@ -440,7 +433,7 @@ def layer_ids(client, image_id: str) -> list[str]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_docker_url, base_image, tmp_path):
+def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image_build, local_docker_url, base_image, tmp_path):
     import shutil
 
     import docker
@@ -457,8 +450,8 @@ def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_doc
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=1800)
     request = BuildRequest(flavour="cpu", base_image=base_image, tag=f"{CPU_TAG}-changed")
     rebuilt = build_image(request, client, root=copy)
-    before, after = layer_ids(client, cpu_image["image_id"]), layer_ids(client, rebuilt.id)
-    assert rebuilt.id != cpu_image["image_id"] and len(before) == len(after)
+    before, after = layer_ids(client, cpu_image_build["image_id"]), layer_ids(client, rebuilt.id)
+    assert rebuilt.id != cpu_image_build["image_id"] and len(before) == len(after)
     same = next(i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old != new)
     # What changed starts at the layer holding the package's code: its parent image (the build
     # keeps intermediate images) is the one whose layers are exactly the unchanged prefix.
@@ -477,7 +470,7 @@ def test_a_code_change_leaves_every_earlier_layer_unchanged(cpu_image, local_doc
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_readme_edit_leaves_the_dependency_layers_unchanged(cpu_image, local_docker_url, base_image, tmp_path):
+def test_a_readme_edit_leaves_the_dependency_layers_unchanged(cpu_image_build, local_docker_url, base_image, tmp_path):
     import shutil
 
     import docker
@@ -494,8 +487,8 @@ def test_a_readme_edit_leaves_the_dependency_layers_unchanged(cpu_image, local_d
     client = docker.DockerClient(base_url=local_docker_url, version="auto", timeout=1800)
     request = BuildRequest(flavour="cpu", base_image=base_image, tag=f"{CPU_TAG}-readme")
     rebuilt = build_image(request, client, root=copy)
-    before, after = layer_ids(client, cpu_image["image_id"]), layer_ids(client, rebuilt.id)
-    assert rebuilt.id != cpu_image["image_id"] and len(before) == len(after)
+    before, after = layer_ids(client, cpu_image_build["image_id"]), layer_ids(client, rebuilt.id)
+    assert rebuilt.id != cpu_image_build["image_id"] and len(before) == len(after)
     same = next(i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old != new)
     # What changed starts at the final stage's copy of the package source (which holds the README):
     # the venv with every dependency, under it, is the old one.

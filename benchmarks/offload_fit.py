@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -74,24 +75,19 @@ def preflight_host(runs_log: str):
 def tune_candidates(card: str, folder: str, probe: str) -> list[tuple[str, str, str, dict, str]]:
     """Each measured candidate of a ``dzctl tune`` as a launch: its plan, its own preflight's host note, and its
     step time, the median of its steps after the tune's warm-up (from the times of its progress events)."""
-    import statistics
-
-    from plans_report import TUNE_CANDIDATE, TUNE_WARMUP
+    from plans_report import TUNE_CANDIDATE, candidate_events, tune_warmup
 
     path = REPO / folder
     summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
     runs = (path / "runs.log").read_text(encoding="utf-8")
-    warmup = int(TUNE_WARMUP.search(runs.splitlines()[0])[1])
+    warmup = tune_warmup(runs.splitlines())
     preamble, *segments = re.split(r"(?m)^(?=tune: candidate \d+/\d+:)", runs)
     segments[0] = preamble + segments[0]  # the first candidate's preflight ran before its line: the tune's own
     out = []
     for segment in segments:
         found = TUNE_CANDIDATE.search(segment)
         rank, micro, checkpointed = int(found[1]), int(found[2]), int(found[3] or 0)
-        progress = next(path.glob(f"progress-c{rank}-*.jsonl"), None)
-        lines = progress.read_text(encoding="utf-8").splitlines() if progress else []  # none: cut in its launch
-        events = [json.loads(x) for x in lines if x.strip()]
-        times = {e["step"]: e["time"] for e in events if e["event"] in ("start", "step")}
+        times = {e["step"]: e["time"] for e in candidate_events(path, rank) if e["event"] in ("start", "step")}
         steps = [times[k] - times[k - 1] for k in sorted(times) if k > warmup and k - 1 in times]
         if not steps:
             continue  # cut before a step after the warm-up
@@ -101,7 +97,14 @@ def tune_candidates(card: str, folder: str, probe: str) -> list[tuple[str, str, 
     return out
 
 
-def without_other_passes(card: str, folder: str, probe: str, result: dict | None = None, log: str = "") -> dict:
+def launch(card: str, folder: str, probe: str) -> tuple[str, str, str, dict, str]:
+    """A launch of ``LAUNCHES`` as ``tune_candidates`` gives each candidate: its result and its log."""
+    path = REPO / folder
+    result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
+    return card, folder, probe, result, (path / "runs.log").read_text(encoding="utf-8")
+
+
+def without_other_passes(card: str, folder: str, probe: str, result: dict, log: str) -> dict:
     """One launch re-predicted without ``HOST_OTHER_PASSES``, and the host's AdamW seconds it is a multiple of.
 
     The step is linear in the constant (``offloaded_optimizer_seconds``: (1 + passes) x the AdamW's seconds), and
@@ -111,10 +114,6 @@ def without_other_passes(card: str, folder: str, probe: str, result: dict | None
 
     from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 
-    if result is None:
-        path = REPO / folder
-        result = json.loads((path / "summary.json").read_text(encoding="utf-8"))["results"][0]
-        log = (path / "runs.log").read_text(encoding="utf-8")
     host = preflight_host(log)
     plan, step_s = predicted(result, host, card)
     on_host = plan.estimate.trainable_params - plan.estimate.optimizer_on_gpu  # one rank: the node's partition
@@ -127,7 +126,7 @@ def without_other_passes(card: str, folder: str, probe: str, result: dict | None
 
 def all_launches() -> list[dict]:
     """Every launch and tune candidate above, re-predicted, with the constant it alone implies (``implied``)."""
-    rows = [without_other_passes(*launch) for launch in LAUNCHES]
+    rows = [without_other_passes(*launch(*given)) for given in LAUNCHES]
     rows += [without_other_passes(*c) for card, folder, probe in TUNES for c in tune_candidates(card, folder, probe)]
     for row in rows:
         row["implied"] = (row["measured_s"] - row["without_s"]) / row["adam_s"]
@@ -135,8 +134,6 @@ def all_launches() -> list[dict]:
 
 
 def main() -> int:
-    import statistics
-
     from orchestrator.planning.speed.offload import HOST_OTHER_PASSES
 
     rows = all_launches()

@@ -246,16 +246,30 @@ def _first_match(pattern: re.Pattern, lines: list[str]) -> re.Match | None:
     return next((found for line in lines if (found := pattern.search(line))), None)
 
 
+def tune_warmup(runs: list[str]) -> int:
+    """The steps a tune left out of each candidate's median: the ``--warmup`` of its command line (the first line of
+    its ``runs.log``), dzctl tune's default where it gave none."""
+    from orchestrator.backends.tune import TuneOptions
+
+    given = _first_match(TUNE_WARMUP, runs[:1])
+    return int(given[1]) if given else TuneOptions.warmup
+
+
+def candidate_events(folder: Path, rank: int) -> list[dict]:
+    """A tune candidate's progress events (``progress-cN-*.jsonl``); none where it was cut in its launch."""
+    progress = next(folder.glob(f"progress-c{rank}-*.jsonl"), None)
+    lines = progress.read_text(encoding="utf-8").splitlines() if progress else []
+    return [json.loads(x) for x in lines if x.strip()]
+
+
 def tune_from_progress(folder: Path) -> dict:
     """A tune cut by its time limit (empty tune.json): its candidates rebuilt as ``dzctl tune`` measures them, the
-    median of rank 0's tokens/s over the steps after the tune's own ``--warmup`` (its command line, the first line
-    of ``runs.log``; dzctl tune's default where it gave none) from ``progress-cN-*.jsonl``, each candidate's
-    prediction from its launch's ``predicted step`` line in ``runs.log``."""
-    from orchestrator.backends.tune import TuneOptions, median_tokens_per_s
+    median of rank 0's tokens/s over the steps after the tune's own warm-up (``tune_warmup``) from its progress
+    events, each candidate's prediction from its launch's ``predicted step`` line in ``runs.log``."""
+    from orchestrator.backends.tune import median_tokens_per_s
 
     runs = (folder / "runs.log").read_text(encoding="utf-8").splitlines()
-    given = _first_match(TUNE_WARMUP, runs[:1])
-    warmup = int(given[1]) if given else TuneOptions.warmup
+    warmup = tune_warmup(runs)
     candidates = []
     for index, line in enumerate(runs):
         found = TUNE_CANDIDATE.search(line)
@@ -267,10 +281,7 @@ def tune_from_progress(folder: Path) -> dict:
         # has the predicted step of its launch, which follows the candidate's line.
         closed = re.compile(rf"tune: candidate {rank}: .*the model predicted ([\d,]+)\)")
         predicted = _first_match(closed, runs) or _first_match(PREDICTED, runs[index:])
-        progress = next(folder.glob(f"progress-c{rank}-*.jsonl"), None)
-        events = (
-            [json.loads(x) for x in progress.read_text(encoding="utf-8").splitlines() if x.strip()] if progress else []
-        )
+        events = candidate_events(folder, rank)
         measured = median_tokens_per_s(events, warmup)  # as dzctl tune measures each candidate
         candidates.append({
             "model_rank": rank, "micro_batch_size": micro, "checkpointed_layers": checkpointed, "offload": offload,
